@@ -1,0 +1,183 @@
+"""The typed configuration: one dataclass per group, defaults live here and nowhere else.
+
+Names follow the DAPO recipe docs (`data.train_batch_size`, `actor.clip_ratio_high`, ...) so a
+recipe command line carries over; `verl_compat.py` translates verl's longer paths to these.
+Validation of cross-field rules lives in `validate.py`, not in `__post_init__`, so that every
+rule reports the key to change in one consistent format.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class ParallelConfig:
+    """Megatron / vLLM parallel degrees of one role (DP is derived from the device count)."""
+    tp: int = 1  # tensor parallel
+    pp: int = 1  # pipeline parallel
+    vpp: int = 1  # virtual pipeline stages per pipeline rank (1: interleaving off)
+    ep: int = 1  # expert parallel
+    etp: int = 1  # expert tensor parallel
+    cp: int = 1  # context parallel
+    sequence_parallel: bool = False  # forced on by the model builder when TP>1 with MoE
+
+
+@dataclass
+class DataConfig:
+    train_files: List[str] = field(default_factory=list)
+    val_files: List[str] = field(default_factory=list)
+    prompt_key: str = "prompt"
+    max_prompt_length: int = 1024
+    max_response_length: int = 2048
+    train_batch_size: int = 512  # prompts (groups) kept per step
+    gen_batch_size: int = 1536  # prompts sent to the engines per generation round
+    val_batch_size: int = 0  # 0: the whole validation set at once
+    truncation: str = "filter"  # filter | left | right | error  (prompts over max_prompt_length)
+    skip_bad_rows: bool = False  # skip and count malformed rows instead of raising
+    shuffle: bool = True
+    seed: int = 1
+
+
+@dataclass
+class ModelConfig:
+    path: str = ""  # HF checkpoint dir (config.json + safetensors)
+    tokenizer_path: str = ""  # empty: same as path
+    load_checkpoint: str = ""  # optional Megatron dist-checkpoint to start from instead of path
+    dtype: str = "bf16"  # fp32 | bf16 | fp16 (parameters and compute)
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-6
+    min_lr: float = 0.0
+    weight_decay: float = 0.1
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    lr_warmup_steps: int = 10
+    lr_scheduler: str = "constant"  # constant | cosine | linear
+    clip_grad: float = 1.0
+    use_distributed_optimizer: bool = True
+
+
+@dataclass
+class ActorConfig:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ppo_mini_batch_size: int = 32  # prompts per optimizer step (x rollout.n responses)
+    ppo_epochs: int = 1
+    max_tokens_per_microbatch: int = 16384  # dynamic batch size: micro-batches by token budget
+    clip_ratio_low: float = 0.2
+    clip_ratio_high: float = 0.28
+    clip_ratio_c: Optional[float] = 10.0  # dual clip bound for negative advantages; null: off
+    loss_agg_mode: str = "token-mean"
+    tis_cap: Optional[float] = None  # truncated importance sampling vs rollout_logprobs; null: off
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"  # k1 | mse (k2) | low_var_kl (k3)
+    recompute_granularity: str = ""  # "" | full | selective
+    offload: bool = False  # move params/optimizer to host while the engines generate
+
+
+@dataclass
+class RefConfig:
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    offload: bool = True  # keep reference weights in host memory between uses (no-op on CPU)
+
+
+@dataclass
+class SamplingKwargs:
+    n: int = 1
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+@dataclass
+class SyncConfig:
+    bucket_mb: int = 1024
+    verify_every: int = 0  # checksum engines vs trainer every N syncs; 0: never (tests force 1)
+
+
+@dataclass
+class RolloutConfig:
+    name: str = "vllm"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # per engine: tp and ep
+    num_devices: int = 0  # split placement only: devices for the engines (the rest train)
+    n: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int = 0
+    gpu_memory_utilization: float = 0.6
+    max_num_batched_tokens: int = 8192
+    max_concurrent_per_engine: int = 256
+    enforce_eager: bool = False
+    enable_prefix_caching: bool = True
+    val_kwargs: SamplingKwargs = field(default_factory=SamplingKwargs)
+    sync: SyncConfig = field(default_factory=SyncConfig)
+
+
+@dataclass
+class OverlongBufferConfig:
+    enable: bool = False
+    len: int = 4096
+    penalty_factor: float = 1.0
+    log: bool = False
+
+
+@dataclass
+class RewardConfig:
+    custom_fn: str = ""  # path/to/file.py:function ; empty: the built-in math reward
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    num_workers: int = 0  # 0: one per CPU core
+    timeout_s: float = 5.0  # hard deadline per answer; a timeout scores as incorrect
+    service_url: str = ""  # use `python -m dapo_megatron.reward.serve` at this URL instead
+
+
+@dataclass
+class FilterGroupsConfig:
+    enable: bool = True
+    metric: str = "acc"  # acc | score | seq_reward | seq_final_reward
+    max_num_gen_batches: int = 10  # <= 0: no limit
+    on_exhausted: str = "train_partial"  # error | train_partial
+    mode: str = "sync"  # sync (recipe rounds) | early_stop (async, aborts in-flight requests)
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    norm_adv_by_std_in_grpo: bool = True
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+
+
+@dataclass
+class TrainerConfig:
+    nnodes: int = 1
+    n_gpus_per_node: int = 8  # accelerators (or CPU ranks) per node
+    device: str = "auto"  # auto | cuda | npu | cpu
+    placement: str = "colocated"  # colocated | split
+    total_training_steps: Optional[int] = None  # null: derived from total_epochs
+    total_epochs: int = 1
+    save_freq: int = -1  # -1: only at the end / on SIGTERM
+    test_freq: int = -1
+    val_before_train: bool = True
+    resume_mode: str = "auto"  # auto | disable | <path to a step folder>
+    max_checkpoints_to_keep: int = 2
+    default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
+    logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])
+    project_name: str = "dapo-megatron"
+    experiment_name: str = "dapo"
+    seed: int = 1
+
+
+@dataclass
+class DapoConfig:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    ref: RefConfig = field(default_factory=RefConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)

