@@ -1,0 +1,104 @@
+"""Per-step metrics: one console line, `metrics.jsonl`, TensorBoard, wandb, and a PNG of the curves.
+
+The driver calls `log(step, metrics)` once per step and `plot()` on save and at the end. Sinks
+are chosen by `trainer.logger`; wandb is used only when asked for AND installed (a missing wandb
+is a warning, not a crash, since it is never required to train).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from typing import Mapping, Sequence
+
+# The console line shows these, in this order, when present.
+CONSOLE_KEYS = ("reward/mean", "acc/mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
+                "actor/grad_norm", "rollout/logprob_diff_max", "sampling/num_gen_batches", "timing/step")
+
+# PNG panels: title -> metric keys drawn in it.
+PLOT_PANELS: dict[str, tuple[str, ...]] = {
+    "reward": ("reward/mean",),
+    "accuracy": ("acc/mean", "val/acc"),
+    "response length": ("response_length/mean",),
+    "entropy": ("actor/entropy",),
+    "timing (s)": ("timing/gen", "timing/update", "timing/sync", "timing/step"),
+}
+
+
+def _scalar(value) -> float | None:
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: str, loggers: Sequence[str], *, project: str = "", experiment: str = "",
+                 config: Mapping | None = None):
+        self.out_dir = out_dir
+        self.loggers = set(loggers)
+        os.makedirs(out_dir, exist_ok=True)
+        self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
+        self._tb = self._wandb = None
+        if "tensorboard" in self.loggers:
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
+        if "wandb" in self.loggers:
+            try:
+                import wandb
+                self._wandb = wandb.init(project=project, name=experiment, config=dict(config or {}))
+            except ImportError:
+                warnings.warn("trainer.logger has 'wandb' but wandb is not installed; skipping it")
+
+    def log(self, step: int, metrics: Mapping[str, object]) -> None:
+        values = {k: v for k, v in ((k, _scalar(v)) for k, v in metrics.items()) if v is not None}
+        if "jsonl" in self.loggers:
+            with open(self.jsonl_path, "a") as f:
+                f.write(json.dumps({"step": step, **values}) + "\n")
+        if "console" in self.loggers:
+            shown = " ".join(f"{k}={values[k]:.4g}" for k in CONSOLE_KEYS if k in values)
+            print(f"step {step}: {shown}", flush=True)
+        if self._tb is not None:
+            for k, v in values.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(values, step=step)
+
+    def history(self) -> list[dict]:
+        if not os.path.exists(self.jsonl_path):
+            return []
+        with open(self.jsonl_path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def plot(self, path: str | None = None) -> str:
+        """Write the main curves from metrics.jsonl to a PNG (written atomically); returns its path."""
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        rows = self.history()
+        path = path or os.path.join(self.out_dir, "curves.png")
+        fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(4 * len(PLOT_PANELS), 3.2))
+        for ax, (title, keys) in zip(axes, PLOT_PANELS.items()):
+            for key in keys:
+                points = [(r["step"], r[key]) for r in rows if key in r]
+                if points:
+                    ax.plot(*zip(*points), marker=".", label=key)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            if ax.get_legend_handles_labels()[0]:
+                ax.legend(fontsize=7)
+        fig.tight_layout()
+        tmp = path + ".tmp.png"
+        fig.savefig(tmp, dpi=90)
+        plt.close(fig)
+        os.replace(tmp, path)
+        return path
+
+    def close(self) -> None:
+        if self._tb is not None:
+            self._tb.close()
+        if self._wandb is not None:
+            self._wandb.finish()
