@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping, Optional
 
+from dapo_megatron.algo import KL_KINDS, LOSS_AGG_MODES, ON_EXHAUSTED
 from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.config.schema import DapoConfig, ParallelConfig
 
@@ -15,8 +16,8 @@ from dapo_megatron.config.schema import DapoConfig, ParallelConfig
 CHOICES: dict[str, tuple] = {
     "trainer.device": ("auto", "cuda", "npu", "cpu"),
     "trainer.placement": ("colocated", "split"),
-    "actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-    "actor.kl_loss_type": ("kl", "k1", "mse", "k2", "low_var_kl", "k3"),
+    "actor.loss_agg_mode": tuple(LOSS_AGG_MODES),
+    "actor.kl_loss_type": tuple(KL_KINDS),
     "actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
     "actor.recompute_granularity": ("", "full", "selective"),
     "model.dtype": ("fp32", "bf16", "fp16"),
@@ -24,7 +25,7 @@ CHOICES: dict[str, tuple] = {
     "algorithm.adv_estimator": ("grpo",),
     "algorithm.filter_groups.metric": ("acc", "score", "seq_reward", "seq_final_reward"),
     "algorithm.filter_groups.mode": ("sync", "early_stop"),
-    "algorithm.filter_groups.on_exhausted": ("error", "train_partial"),
+    "algorithm.filter_groups.on_exhausted": tuple(ON_EXHAUSTED),
     "rollout.name": ("vllm",),
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
