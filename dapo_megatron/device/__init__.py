@@ -109,14 +109,31 @@ class Device:
         elif self.kind == "npu":
             import mindspeed.megatron_adaptor  # noqa: F401  (patches Megatron for Ascend at import)
 
-    def vllm_env(self) -> dict:
-        """Environment the vLLM engine process needs on this device (see notes/vllm-cpu.md)."""
+    def vllm_env(self, tp: int = 1) -> dict:
+        """Environment the vLLM engine process needs on this device (see notes/vllm-cpu.md).
+
+        On CPU a TP>1 engine runs one worker process per rank and vllm-cpu refuses to start on a
+        single NUMA node unless each worker is given its own cores ("0|1").
+        """
         if self.kind == "cpu":
-            return {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+                   "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+            if tp > 1:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get(
+                    "VLLM_CPU_OMP_THREADS_BIND", cpu_bind_groups(sorted(os.sched_getaffinity(0)), tp))
+            return env
         if self.kind == "npu":
             return {"VLLM_USE_V1": "1", "VLLM_ASCEND_ENABLE_NZ": "0"}
         return {}
+
+
+def cpu_bind_groups(cores: list[int], groups: int) -> str:
+    """Split `cores` into `groups` contiguous runs, vLLM's OMP bind syntax: [0,1,2,3], 2 -> "0,1|2,3"."""
+    if groups > len(cores):
+        raise ValueError(f"rollout.parallel.tp ({groups}) exceeds the {len(cores)} CPU cores available")
+    per = len(cores) // groups
+    return "|".join(",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(groups))
 
 
 @lru_cache(maxsize=None)

@@ -39,3 +39,14 @@ def test_rng_state_round_trip():
 def test_memory_figures():
     mem = get_device("cpu").memory_gb()
     assert mem["host_rss"] > 0
+
+
+def test_cpu_bind_groups_for_tp_engines(monkeypatch):
+    from dapo_megatron.device import cpu_bind_groups
+    assert cpu_bind_groups([0, 1, 2, 3], 2) == "0,1|2,3"
+    assert cpu_bind_groups([0, 1], 2) == "0|1"
+    with pytest.raises(ValueError, match="rollout.parallel.tp"):
+        cpu_bind_groups([0, 1], 4)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in get_device("cpu").vllm_env(1)
+    assert get_device("cpu").vllm_env(2)["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1

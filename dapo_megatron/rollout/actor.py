@@ -1,0 +1,35 @@
+"""The engine as a Ray actor: the same `Engine` class, placed by the driver.
+
+The actor process owns the vLLM engine in-process, so buckets sent to `load_weights` arrive as
+tensors from Ray's object store and go into the model without another copy. Ray calls run on
+several threads (`max_concurrency`) so that a `poll` waiting for results does not block `submit`,
+`abort` or a weight push; `Engine` serialises them onto its loop thread.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from dapo_megatron.device import get_device
+from dapo_megatron.rollout.engine import Engine
+
+MAX_CONCURRENCY = 16  # concurrent actor calls: poll + submit + abort + weight pushes
+
+
+def engine_actor(model_path: str, cfg, *, dtype: str = "bf16", max_model_len: int = 4096,
+                 device: str = "auto", num_cpus: float = 1, num_gpus: float = 0,
+                 scheduling_strategy=None, name: Optional[str] = None):
+    """Start one engine actor; returns its handle (methods as on `Engine`, called with .remote()).
+
+    num_gpus: devices of this engine (rollout.parallel.tp on GPU; 0 on CPU). The device layer's
+    vLLM environment goes into the actor's runtime env, so it is set before vLLM is imported.
+    """
+    import ray
+    env = get_device(device).vllm_env(cfg.parallel.tp)
+    options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=MAX_CONCURRENCY,
+                   runtime_env={"env_vars": env})
+    if scheduling_strategy is not None:
+        options["scheduling_strategy"] = scheduling_strategy
+    if name is not None:
+        options["name"] = name
+    return ray.remote(Engine).options(**options).remote(
+        model_path, cfg, dtype=dtype, max_model_len=max_model_len, device=device)

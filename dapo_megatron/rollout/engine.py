@@ -1,0 +1,333 @@
+"""One vLLM engine behind the Engine protocol (generate, submit/poll, abort, pause/resume,
+sleep/wake, load_weights/update_weights, checksums); the only module that drives vLLM.
+
+The vLLM core runs in this process (V1 multiprocessing off, set by the device layer's
+`vllm_env()`), so a weight push hands tensors to the model without serialising them, and
+requests stay abortable one by one. vLLM's in-process engine is not thread-safe: one loop thread
+owns it, steps it while requests are live and runs every other operation as a command between
+two steps. Public methods are thread-safe and may block; a Ray actor wraps this class as is.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from dapo_megatron.device import get_device
+from dapo_megatron.rollout.types import RolloutGroup, Sampling
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_WORKER_EXTENSION = "dapo_megatron.rollout.worker_ext.WeightSyncExtension"
+WEIGHT_TRANSPORTS = ("auto", "tensors", "bytes")
+
+
+@dataclass
+class _Live:
+    """Bookkeeping of one group in flight: its n children stream into these lists."""
+    group: RolloutGroup
+    sink: queue.Queue
+    children: list[str]
+    done: set = field(default_factory=set)
+
+
+def check_parallel(parallel) -> None:
+    """Per-engine parallel degrees vLLM supports here: TP, and EP across the same TP ranks."""
+    if parallel.tp < 1:
+        raise ValueError(f"rollout.parallel.tp ({parallel.tp}) must be >= 1")
+    if parallel.ep not in (1, parallel.tp):
+        raise ValueError(f"rollout.parallel.ep ({parallel.ep}) must be 1 or equal rollout.parallel.tp "
+                         f"({parallel.tp}): vLLM shards experts over the engine's TP ranks")
+    for key in ("pp", "cp", "etp"):
+        if getattr(parallel, key) != 1:
+            raise ValueError(f"rollout.parallel.{key} must be 1 for a vLLM rollout engine")
+
+
+class Engine:
+    """One vLLM engine on `rollout.parallel.tp` devices, owned by a loop thread.
+
+    model_path: HF checkpoint dir. dtype: fp32 | bf16 | fp16 (model.dtype). max_model_len:
+    prompt + response tokens. weight_transport: how `load_weights` reaches the worker; auto =
+    tensors when the single worker lives in this process, else safetensors bytes.
+    """
+
+    def __init__(self, model_path: str, cfg, *, dtype: str = "bf16", max_model_len: int = 4096,
+                 device: str = "auto", weight_transport: str = "auto"):
+        check_parallel(cfg.parallel)
+        if dtype not in _DTYPES:
+            raise ValueError(f"model.dtype {dtype!r} must be one of {sorted(_DTYPES)}")
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"weight_transport {weight_transport!r} must be one of {WEIGHT_TRANSPORTS}")
+        os.environ.update(get_device(device).vllm_env(cfg.parallel.tp))  # read by vLLM at import and engine start
+        t0 = time.perf_counter()
+        self._llm = self._make_llm(model_path, cfg, _DTYPES[dtype], max_model_len)
+        self.startup_s = time.perf_counter() - t0
+        worker = getattr(self._llm.model_executor, "driver_worker", None)
+        self._worker = getattr(worker, "worker", None)  # None: workers live in other processes
+        if weight_transport == "auto":
+            weight_transport = "tensors" if self._worker is not None else "bytes"
+        if weight_transport == "tensors" and self._worker is None:
+            raise ValueError("weight_transport 'tensors' needs a single in-process worker; "
+                             "use rollout.parallel.tp == 1 or weight_transport 'bytes'")
+        self.weight_transport = weight_transport
+        self._sleep_supported = self._platform_sleeps()
+        self._commands: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()  # finished groups of `submit`, read by `poll`
+        self._live: dict[str, _Live] = {}  # group request_id -> bookkeeping
+        self._child_to_group: dict[str, str] = {}
+        self._paused = False
+        self._updating = False
+        self._stop = False
+        self._error: Optional[BaseException] = None
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._loop, name="vllm-engine-loop", daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _make_llm(model_path: str, cfg, dtype: str, max_model_len: int):
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+        args = EngineArgs(
+            model=model_path, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
+            seed=cfg.seed, tensor_parallel_size=cfg.parallel.tp, enable_expert_parallel=cfg.parallel.ep > 1,
+            gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_batched_tokens=cfg.max_num_batched_tokens,
+            max_num_seqs=cfg.max_concurrent_per_engine, enforce_eager=cfg.enforce_eager,
+            enable_prefix_caching=cfg.enable_prefix_caching, disable_log_stats=True,
+            # log-probs after temperature: the distribution tokens were drawn from, which is what
+            # the trainer recomputes as old_logprobs (logits / temperature) and what TIS needs.
+            logprobs_mode="processed_logprobs", worker_extension_cls=_WORKER_EXTENSION,
+            enable_sleep_mode=Engine._platform_sleeps())
+        return LLMEngine.from_engine_args(args)
+
+    @staticmethod
+    def _platform_sleeps() -> bool:
+        from vllm.platforms import current_platform
+        return current_platform.is_sleep_mode_available()
+
+    # ---- the loop thread -------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            busy = not self._paused and self._llm.has_unfinished_requests()
+            try:
+                fn, fut = self._commands.get(block=not busy, timeout=None if busy else 0.5)
+            except queue.Empty:
+                fn = None
+            if fn is not None:
+                self._run_command(fn, fut)
+                continue  # drain every pending command before the next step
+            if busy:
+                try:
+                    self._route(self._llm.step())
+                except BaseException as e:  # noqa: BLE001  (callers see it instead of hanging)
+                    self._error = e
+                    return
+
+    @staticmethod
+    def _run_command(fn: Callable, fut: Future) -> None:
+        try:
+            fut.set_result(fn())
+        except BaseException as e:  # noqa: BLE001  (handed to the caller's thread)
+            fut.set_exception(e)
+
+    def _call(self, fn: Callable, timeout: Optional[float] = None):
+        """Run fn on the loop thread between two engine steps; returns its result."""
+        if threading.current_thread() is self._thread:
+            return fn()
+        fut: Future = Future()
+        self._commands.put((fn, fut))
+        return self._wait(lambda t: fut.result(t), timeout)
+
+    def _wait(self, get: Callable[[float], object], timeout: Optional[float] = None):
+        """get(1.0) until it answers, failing fast if the loop thread died meanwhile."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                return get(1.0)
+            except (TimeoutError, queue.Empty):
+                if not self._thread.is_alive():
+                    raise RuntimeError(f"the vLLM engine loop stopped: {self._error!r}") from self._error
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"engine call did not finish in {timeout} s")
+
+    def _route(self, outputs) -> None:
+        for out in outputs:
+            group_id = self._child_to_group.get(out.request_id)
+            if group_id is None:
+                continue  # aborted meanwhile
+            live = self._live[group_id]
+            i = live.children.index(out.request_id)
+            c = out.outputs[0]
+            live.group.responses[i].extend(c.token_ids)
+            live.group.rollout_logprobs[i].extend(lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs))
+            if out.finished:
+                live.group.finish_reasons[i] = str(c.finish_reason)
+                self._finish_child(group_id, out.request_id)
+
+    def _finish_child(self, group_id: str, child: str) -> None:
+        live = self._live[group_id]
+        live.done.add(child)
+        self._child_to_group.pop(child, None)
+        if len(live.done) == len(live.children):
+            del self._live[group_id]
+            live.sink.put(live.group)
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _params(self, sampling: Sampling, i: int):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+        return SamplingParams(
+            n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+            max_tokens=sampling.max_tokens, seed=None if sampling.seed is None else sampling.seed + i,
+            stop_token_ids=list(sampling.stop_token_ids), logprobs=0, detokenize=False,
+            output_kind=RequestOutputKind.DELTA)  # deltas: an aborted response keeps its tokens
+
+    def _add(self, request_id: str, prompt: list[int], sampling: Sampling, index: int, sink) -> None:
+        """Fan a prompt out to n requests; child i samples with seed + i (distinct, reproducible)."""
+        from vllm.inputs import TokensPrompt
+        if request_id in self._live:
+            raise ValueError(f"request {request_id!r} is already in flight")
+        n = sampling.n
+        group = RolloutGroup(request_id, index, list(prompt), [[] for _ in range(n)],
+                             [[] for _ in range(n)], [""] * n)
+        live = _Live(group, sink, [f"{request_id}#{i}" for i in range(n)])
+        self._live[request_id] = live
+        for i, child in enumerate(live.children):
+            self._child_to_group[child] = request_id
+            self._llm.add_request(child, TokensPrompt(prompt_token_ids=list(prompt)), self._params(sampling, i))
+
+    def submit(self, request_id: str, prompt: list[int], sampling: Sampling, index: int = -1) -> None:
+        """Start one prompt's group; it comes back from `poll` once all n responses finished."""
+        self._call(lambda: self._add(request_id, prompt, sampling, index, self._results))
+
+    def poll(self, timeout: float = 0.0, max_groups: Optional[int] = None) -> list[RolloutGroup]:
+        """Finished groups of `submit` (waits up to timeout seconds for the first one)."""
+        out: list[RolloutGroup] = []
+        try:
+            out.append(self._results.get(timeout=timeout) if timeout > 0 else self._results.get_nowait())
+            while max_groups is None or len(out) < max_groups:
+                out.append(self._results.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[RolloutGroup]:
+        """Groups of n responses for each prompt, in prompt order (blocks until all finished)."""
+        sink: queue.Queue = queue.Queue()
+        base = f"gen{next(self._ids)}"
+        self._call(lambda: [self._add(f"{base}-{i}", p, sampling, i, sink) for i, p in enumerate(prompts)])
+        groups = [self._wait(lambda t: sink.get(timeout=t)) for _ in prompts]
+        return sorted(groups, key=lambda g: g.index)
+
+    def abort(self, request_ids: Iterable[str]) -> list[str]:
+        """Abort groups in flight; each comes back (poll / generate) with finish reason "abort"
+        on its unfinished responses and the tokens generated so far. Returns the ids aborted."""
+        return self._call(lambda: self._abort([r for r in request_ids if r in self._live]))
+
+    def _abort(self, group_ids: list[str]) -> list[str]:
+        for group_id in group_ids:
+            live = self._live[group_id]
+            pending = [c for c in live.children if c not in live.done]
+            self._llm.abort_request(pending)
+            for child in pending:
+                live.group.finish_reasons[live.children.index(child)] = "abort"
+                self._finish_child(group_id, child)
+        return group_ids
+
+    def num_in_flight(self) -> int:
+        return self._call(lambda: len(self._live))
+
+    # ---- pause / sleep -----------------------------------------------------------------------
+    def pause(self) -> None:
+        """Stop stepping after the current step; requests stay in flight until `resume`."""
+        self._call(lambda: setattr(self, "_paused", True))
+
+    def resume(self) -> None:
+        self._call(lambda: setattr(self, "_paused", False))
+
+    def sleep(self, level: int = 1) -> None:
+        """Free device memory (level 1: weights to host, KV cache dropped). Aborts groups in flight.
+        A no-op where vLLM has no sleep mode (CPU)."""
+        if self._sleep_supported:
+            self._call(lambda: (self._abort(list(self._live)), self._llm.sleep(level=level)))
+
+    def wake(self) -> None:
+        if self._sleep_supported:
+            self._call(lambda: self._llm.wake_up())
+
+    # ---- weights -----------------------------------------------------------------------------
+    def begin_weight_update(self) -> None:
+        """Pause generation and open a weight update; then `load_weights` per bucket, then
+        `finish_weight_update`. Groups in flight continue after it, recomputed with new weights."""
+        def begin():
+            if self._updating:
+                raise RuntimeError("a weight update is already open; call finish_weight_update first")
+            self._paused_before_update, self._paused, self._updating = self._paused, True, True
+            self._worker_call("weight_sync_begin")
+        self._call(begin)
+
+    def load_weights(self, bucket: list[tuple[str, torch.Tensor]]) -> int:
+        """Load one bucket of (hf_name, full tensor). Outside an open update this runs the whole
+        protocol for this bucket alone, so it must then hold complete fused layers."""
+        if not self._call(lambda: self._updating):
+            self.begin_weight_update()
+            self.load_weights(bucket)
+            return self.finish_weight_update()
+        payload = bucket if self.weight_transport == "tensors" else _to_bytes(bucket)
+        return self._call(lambda: self._worker_call("weight_sync_load", payload))
+
+    def finish_weight_update(self) -> int:
+        """Post-process the model, reset the prefix cache, resume; returns the number of tensors."""
+        def finish():
+            if not self._updating:
+                raise RuntimeError("no weight update is open; call begin_weight_update first")
+            n = self._worker_call("weight_sync_finish")
+            # KV blocks of cached prefixes and of groups in flight hold keys/values of the old
+            # weights: drop them all; running requests are preempted and recomputed.
+            self._llm.reset_prefix_cache(reset_running_requests=True)
+            self._updating, self._paused = False, self._paused_before_update
+            return n
+        return self._call(finish)
+
+    def update_weights(self, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
+        """The whole protocol once for several buckets: pause -> load each -> finish -> resume."""
+        self.begin_weight_update()
+        try:
+            n = sum(self.load_weights(b) for b in buckets)
+        finally:
+            self.finish_weight_update()
+        return n
+
+    def _worker_call(self, method: str, *args):
+        """One worker in-process: call it directly; several: collective_rpc (rank 0's answer)."""
+        if self._worker is not None:
+            return getattr(self._worker, method)(*args)
+        return self._llm.collective_rpc(method, args=args)[0]
+
+    def checksums(self) -> dict:
+        """{hf_name: Checksum} of the weights the engine holds, in HF names and layout."""
+        if self._worker is None:  # TP shards would need gathering into full HF tensors first
+            raise NotImplementedError("engine checksums read one worker's model; they need "
+                                      "rollout.parallel.tp == 1 and rollout.parallel.ep == 1")
+        return self._call(lambda: self._worker_call("weight_sync_checksums"))
+
+    def hf_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Copies of some HF-named tensors as the engine holds them (for debugging)."""
+        names = list(names)
+        return self._call(lambda: self._worker_call("weight_sync_hf_tensors", names))
+
+    def shutdown(self) -> None:
+        if self._thread.is_alive():
+            self._call(lambda: setattr(self, "_stop", True))
+            self._thread.join(timeout=10)
+        self._llm.engine_core.shutdown()
+
+
+def _to_bytes(bucket: list[tuple[str, torch.Tensor]]) -> bytes:
+    from safetensors.torch import save
+    return save({name: t.detach().contiguous().cpu() for name, t in bucket})

@@ -1,0 +1,50 @@
+"""What goes into and comes out of a rollout engine; plain data, no vLLM, so the driver and the
+schedulers can import it without loading vLLM."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+# Finish reasons, as vLLM spells them: "stop" (EOS / stop token), "length" (max_tokens),
+# "abort" (aborted by `Engine.abort`; the response holds the tokens generated until then).
+FINISH_REASONS = ("stop", "length", "abort")
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling parameters of one generate / submit call (the n responses of a prompt share them)."""
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 256
+    seed: Optional[int] = None  # None: nondeterministic; else response i of a prompt uses seed + i
+    stop_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_config(cls, cfg, max_tokens: int, seed: Optional[int] = None) -> "Sampling":
+        """Training sampling from a `RolloutConfig` (rollout.n, rollout.temperature, ...)."""
+        return cls(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                   max_tokens=max_tokens, seed=seed)
+
+    @classmethod
+    def validation(cls, cfg, max_tokens: int, seed: Optional[int] = None) -> "Sampling":
+        """Validation sampling from `rollout.val_kwargs`."""
+        v = cfg.val_kwargs
+        return cls(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
+                   max_tokens=max_tokens, seed=seed)
+
+
+@dataclass
+class RolloutGroup:
+    """The n responses of one prompt (a `group`), returned once all n have finished."""
+    request_id: str
+    index: int  # position of the prompt in the `generate` call; the caller's value for `submit`
+    prompt: list[int]
+    responses: list[list[int]] = field(default_factory=list)  # [n][T_i] token ids
+    rollout_logprobs: list[list[float]] = field(default_factory=list)  # [n][T_i] log p(token)
+    finish_reasons: list[str] = field(default_factory=list)  # [n], one of FINISH_REASONS
+
+    @property
+    def aborted(self) -> bool:
+        return "abort" in self.finish_reasons

@@ -1,0 +1,183 @@
+"""Weight sync inside a vLLM worker: load HF-named buckets into the live model, and read the live
+model back as HF-named tensors for checksums.
+
+vLLM mixes `WeightSyncExtension` into its worker class (`worker_extension_cls`). An engine whose
+single worker lives in the engine's process calls these methods directly with tensors; an engine
+with several worker processes reaches them through `collective_rpc` with safetensors bytes.
+
+How vLLM's fused parameters map back to HF names (tables below, code only for the splits):
+- `self_attn.qkv_proj` = rows [q_proj; k_proj; v_proj] (weight and bias), split by the layer's
+  `output_partition_sizes`; `mlp.gate_up_proj` = rows [gate_proj; up_proj].
+- MoE `mlp.experts.routed_experts.w13_weight` [E, 2I, H] = per expert e rows
+  [experts.e.gate_proj; experts.e.up_proj]; `w2_weight` [E, H, I] = experts.e.down_proj.
+  A CPU kernel may pad I to P >= I: gate rows [0, I), up rows [P, P+I), down columns [0, I).
+- `embed_tokens` / `lm_head` rows are padded to a multiple of 64: rows [0, vocab_size) are HF's.
+- Every other parameter has the HF name and layout. Tied embeddings: vLLM holds no `lm_head`.
+On CPU the live tensors are repacked for the kernels, so they are unpacked first: dense linears
+keep their weight only inside a oneDNN / packed-GEMM handle (the parameter has size 0) and are read
+by multiplying with an identity (exact: one nonzero product per output); MoE weights are
+prepacked by a fixed permutation, found by prepacking index tensors and inverted.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Iterator, Union
+
+import torch
+
+from dapo_megatron.rollout.checksum import Checksum, state_dict_checksums
+
+# vLLM fused module (last name component) -> the HF modules it stacks along dim 0.
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# vLLM expert parameter -> HF parameter names of one expert, stacked along dim 1 ([E, rows, cols]).
+EXPERT_PARAMS = {"w13_weight": ("gate_proj.weight", "up_proj.weight"), "w2_weight": ("down_proj.weight",)}
+# vLLM module path components that HF checkpoints do not have.
+VLLM_ONLY_MODULES = (".routed_experts",)
+
+Bucket = Union[list[tuple[str, torch.Tensor]], bytes]
+
+
+def hf_module_name(vllm_module: str) -> str:
+    for part in VLLM_ONLY_MODULES:
+        vllm_module = vllm_module.replace(part, "")
+    return vllm_module
+
+
+def _is_cpu_packed_moe(layer) -> bool:
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    kernel = getattr(getattr(layer, "quant_method", None), "moe_kernel", None)
+    experts = getattr(kernel, "fused_experts", None)
+    return isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch
+
+
+def _expert_layers(model) -> Iterator[tuple[str, torch.nn.Module]]:
+    for name, module in model.named_modules():
+        if hasattr(module, "w13_weight") and hasattr(module, "w2_weight"):
+            yield name, module
+
+
+@torch.no_grad()
+def _unpack_linear(module, param: torch.Tensor) -> torch.Tensor:
+    """[N, K] weight of a CPU linear whose parameter was replaced by a packed kernel handle."""
+    k = getattr(module, "input_size_per_partition", None) or module.input_size
+    cols = []
+    for start in range(0, k, 4096):  # identity blocks bound the probe's memory
+        eye = torch.eye(k, dtype=param.dtype)[start:start + 4096]
+        cols.append(module.cpu_linear(eye, param, None).to(param.dtype))  # [k_blk, N] = W^T rows
+    return torch.cat(cols).t().contiguous()
+
+
+_PERMUTATIONS: dict[tuple, torch.Tensor] = {}
+
+
+@torch.no_grad()
+def _moe_permutation(shape: tuple, dtype: torch.dtype, isa: str) -> torch.Tensor:
+    """perm with packed.flatten() == raw.flatten()[perm], found by prepacking index digits.
+
+    Each digit tensor holds integers small enough to be exact in `dtype`, so the prepack (a pure
+    reordering of elements) carries them unchanged.
+    """
+    key = (shape, dtype, isa)
+    if key not in _PERMUTATIONS:
+        from vllm._custom_ops import cpu_prepack_moe_weight
+        base = {torch.float32: 1 << 22, torch.float16: 1 << 10}.get(dtype, 1 << 7)
+        idx = torch.arange(int(torch.Size(shape).numel()), dtype=torch.int64)
+        perm, scale, rest = torch.zeros_like(idx), 1, idx
+        while True:
+            digit = cpu_prepack_moe_weight((rest % base).to(dtype).reshape(shape), isa)
+            perm += digit.reshape(-1).to(torch.int64) * scale
+            rest, scale = rest // base, scale * base
+            if scale >= idx.numel():
+                break
+        _PERMUTATIONS[key] = perm
+    return _PERMUTATIONS[key]
+
+
+def _unpack_moe(layer, param: torch.Tensor) -> torch.Tensor:
+    perm = _moe_permutation(tuple(param.shape), param.dtype, layer.quant_method.moe_kernel.fused_experts.isa)
+    raw = torch.empty(param.numel(), dtype=param.dtype)
+    raw[perm] = param.detach().reshape(-1)
+    return raw.reshape(param.shape)
+
+
+def hf_named_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The live model as (hf_name, tensor) in HF layout (single-worker engines)."""
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        module_name, _, pname = name.rpartition(".")
+        module = modules[module_name]
+        hf_module = hf_module_name(module_name)
+        tensor = param.detach()
+        if pname == "weight" and tensor.numel() == 0 and hasattr(module, "cpu_linear"):
+            tensor = _unpack_linear(module, tensor)
+        if pname in EXPERT_PARAMS:
+            tensor = _unpack_moe(module, tensor) if _is_cpu_packed_moe(module) else tensor
+            yield from _split_experts(hf_module, pname, tensor, module.moe_config.intermediate_size_per_partition)
+        elif module_name.rpartition(".")[2] in FUSED_MODULES:
+            parent, _, leaf = hf_module.rpartition(".")
+            sizes = list(module.output_partition_sizes)
+            for hf_leaf, part in zip(FUSED_MODULES[leaf], torch.split(tensor, sizes, dim=0)):
+                yield f"{parent}.{hf_leaf}.{pname}", part
+        elif hasattr(module, "org_vocab_size"):  # embed_tokens / lm_head: drop the padding rows
+            yield f"{hf_module}.{pname}", tensor[:module.org_vocab_size]
+        else:
+            yield f"{hf_module}.{pname}", tensor
+
+
+def _split_experts(hf_module: str, pname: str, t: torch.Tensor, inter: int):
+    """Per-expert HF tensors of a [E, rows, cols] expert weight (inter = unpadded I)."""
+    for e in range(t.shape[0]):
+        if pname == "w13_weight":
+            padded = t.shape[1] // 2
+            yield f"{hf_module}.{e}.gate_proj.weight", t[e, :inter]
+            yield f"{hf_module}.{e}.up_proj.weight", t[e, padded:padded + inter]
+        else:
+            yield f"{hf_module}.{e}.down_proj.weight", t[e, :, :inter]
+
+
+class WeightSyncExtension:
+    """Mixed into vLLM's worker: a weight update is begin -> load (one call per bucket) -> finish.
+
+    Between begin and finish vLLM buffers each layer's tensors until the layer is complete, so a
+    fused layer (q/k/v, gate/up, all experts of a layer) may span buckets; bucket tensors must
+    stay unmodified until finish.
+    """
+
+    def weight_sync_begin(self) -> None:
+        from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
+        initialize_layerwise_reload(self.model_runner.get_model())
+        self._weight_sync_names: set[str] = set()
+
+    def weight_sync_load(self, bucket: Bucket) -> int:
+        if isinstance(bucket, (bytes, bytearray)):
+            from safetensors.torch import load
+            bucket = list(load(bytes(bucket)).items())
+        self.model_runner.get_model().load_weights(iter(bucket))
+        self._weight_sync_names.update(name for name, _ in bucket)
+        return len(bucket)
+
+    def weight_sync_finish(self) -> int:
+        """Process the remaining layers, redo the expert repacking that vLLM's reload skips."""
+        from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+        model = self.model_runner.get_model()
+        finalize_layerwise_reload(model, self.vllm_config.model_config)
+        # vLLM's weight-update path leaves the experts' kernel-specific post-processing out (on CPU:
+        # the grouped-GEMM prepack), so the raw layout would sit in packed storage and outputs be
+        # silently wrong. Redo it for the expert layers this update wrote, and only those.
+        for name, layer in _expert_layers(model):
+            prefix = hf_module_name(name) + "."
+            if any(n.startswith(prefix) for n in self._weight_sync_names):
+                layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+        self.model_runner.reset_encoder_cache()
+        loaded, self._weight_sync_names = len(self._weight_sync_names), set()
+        return loaded
+
+    def weight_sync_checksums(self) -> dict[str, Checksum]:
+        if self.vllm_config.parallel_config.world_size > 1:
+            raise NotImplementedError("engine checksums read one worker's model; they need "
+                                      "rollout.parallel.tp == 1 and rollout.parallel.ep == 1")
+        return state_dict_checksums(hf_named_tensors(self.model_runner.get_model()))
+
+    def weight_sync_hf_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
+        """Copies of the named HF tensors as the engine holds them (debugging and tests)."""
+        wanted = set(names)
+        return {n: t.clone() for n, t in hf_named_tensors(self.model_runner.get_model()) if n in wanted}
