@@ -68,8 +68,18 @@ class DynamicSampler:
         self.num_gen_batches = 0
         self.num_generated_groups = 0
 
-    def add(self, groups: Sequence[Group]) -> None:
-        """Add one generation round; keeps the groups that pass `filter_groups` (all if disabled)."""
+    def start_round(self) -> None:
+        """Count one generation round (data.gen_batch_size prompts) against max_num_gen_batches."""
+        self.num_gen_batches += 1
+        self.totals["gen_batches"] += 1
+
+    def add(self, groups: Sequence[Group], *, new_round: bool = True) -> None:
+        """Add finished groups; keeps those that pass `filter_groups` (all if disabled).
+
+        Sync mode adds a whole round at once (new_round=True counts it). Early-stop mode calls
+        `start_round()` when it starts a round's prompts and adds groups as they finish
+        (new_round=False), so a round's groups may arrive over many calls.
+        """
         if any(len(g.metric_values) == 0 for g in groups):
             raise ValueError("every group needs at least one metric value (one per response)")
         kept = list(groups)
@@ -80,9 +90,9 @@ class DynamicSampler:
             first = torch.cumsum(sizes, 0) - sizes  # [G]: each group's first member
             kept = [g for g, k in zip(groups, keep[first].tolist()) if k]
         self.buffer.extend(kept)
-        self.num_gen_batches += 1
+        if new_round:
+            self.start_round()
         self.num_generated_groups += len(groups)
-        self.totals["gen_batches"] += 1
         self.totals["generated_groups"] += len(groups)
         self.totals["kept_groups"] += len(kept)
 

@@ -84,3 +84,15 @@ def test_sampler_state_dict_round_trip():
     assert restored.state_dict()["gen_batches"] == 2 and restored.state_dict()["kept_groups"] == 2
     with pytest.raises(KeyError, match="steps"):
         restored.load_state_dict({"gen_batches": 1, "generated_groups": 2, "kept_groups": 1})
+
+
+def test_early_stop_rounds_are_counted_by_start_round():
+    s = DynamicSampler(train_batch_size=2, max_num_gen_batches=2)
+    s.start_round()
+    s.add([Group([1.0, 0.0])], new_round=False)
+    s.add([Group([1.0, 1.0])], new_round=False)
+    assert s.metrics()["dynamic_sampling/num_gen_batches"] == 1 and not s.should_stop()
+    s.start_round()
+    assert s.exhausted and s.metrics()["dynamic_sampling/generated_groups"] == 2
+    s.add([Group([0.0, 1.0])], new_round=False)
+    assert s.is_full and len(s.take()) == 2 and s.state_dict()["gen_batches"] == 2

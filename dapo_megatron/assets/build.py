@@ -1,0 +1,238 @@
+"""Build the offline tiny assets (tokenizer, warmed-up tiny models, task data) and resolve tiny://.
+
+Layout of an asset dir:
+    tokenizer/            HF fast tokenizer (byte-level BPE, ChatML template)
+    qwen2/, qwen3_moe/    HF checkpoints, tokenizer files copied in (each dir is self-contained)
+    data/train.parquet, data/val.parquet    the addition task in the verl schema
+    manifest.json         what was built, with which seed and versions, and the measured accuracy
+
+A build goes into a temp dir next to the target and is renamed into place at the end, under a
+file lock, so concurrent first uses (several Ray workers resolving tiny:// at once) build once
+and nobody ever sees a half-written dir.
+"""
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import tokenizers
+import torch
+import transformers
+
+from dapo_megatron.assets.models import build_tiny_model
+from dapo_megatron.assets.tokenizer import build_tokenizer, special_token_ids
+from dapo_megatron.assets.warmup import sampled_accuracy, supervised_warmup
+from dapo_megatron.data import synthetic
+
+ASSET_VERSION = "tiny-v1"  # bump when the layout or recipe changes; it names the cache dir
+TINY_SCHEME = "tiny://"
+ASSETS_ENV = "DAPO_MEGATRON_ASSETS"
+DEFAULT_SEED = 0
+# The warm-up stops once sampled accuracy (T=1, train pairs) reaches TARGET_ACCURACY, checked
+# every 10 steps, or after `warmup_steps`. A fixed step count was too seed-dependent: at 120
+# steps (batch 64, lr 1e-3) seeds gave 0.08-0.36. Around 0.3 the format is learnt and most sums
+# are not yet, so DAPO has both signal (mixed groups) and headroom.
+DEFAULT_WARMUP_STEPS = 400
+TARGET_ACCURACY = 0.25
+WARMUP = dict(batch_size=64, lr=1e-3)
+EVAL = dict(samples_per_pair=8, temperature=1.0, max_new_tokens=16)
+STOP_CHECK = dict(samples_per_pair=4, temperature=1.0, max_new_tokens=16)  # cheaper, every 10 steps
+MODEL_KINDS = ("qwen2", "qwen3_moe")
+MANIFEST = "manifest.json"
+
+
+def default_asset_dir() -> Path:
+    """$DAPO_MEGATRON_ASSETS, else ~/.cache/dapo-megatron/tiny-v1."""
+    env = os.environ.get(ASSETS_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "dapo-megatron" / ASSET_VERSION
+
+
+def read_manifest(asset_dir: str | os.PathLike) -> dict[str, Any] | None:
+    path = Path(asset_dir) / MANIFEST
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def build_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, warmup_steps: int = DEFAULT_WARMUP_STEPS,
+                 force: bool = False, log: Callable[[str], None] = print) -> Path:
+    """Build all tiny assets into `out_dir` (atomically); a dir with a matching manifest is kept.
+
+    A dir built with other settings is an error unless `force`: silently replacing assets that
+    another run may be training from would be worse than asking.
+    """
+    out = Path(out_dir).expanduser().resolve()
+    # The manifest entries that must match for an existing dir to count as the requested build.
+    want = {"asset_version": ASSET_VERSION, "seed": seed, "warmup_steps": warmup_steps,
+            "target_accuracy": TARGET_ACCURACY}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(out.parent / f".{out.name}.lock"):
+        have = {k: (read_manifest(out) or {}).get(k) for k in want}
+        if have == want and not force:
+            log(f"tiny assets in {out} are up to date (seed {seed}, {warmup_steps} warm-up steps); nothing to do")
+            return out
+        if out.exists() and any(out.iterdir()) and not force:
+            raise FileExistsError(f"{out} exists but was not built with {want} (its manifest: {have}); "
+                                  f"pass --force to rebuild it")
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+        try:
+            manifest = _build_into(tmp, seed=seed, warmup_steps=warmup_steps, log=log)
+            _replace_dir(tmp, out)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    log(f"built tiny assets in {out} in {manifest['build_seconds']:.1f} s")
+    return out
+
+
+def resolve_asset_path(path: str) -> str:
+    """`tiny://NAME` -> a path under default_asset_dir(), building the assets on first use.
+
+    Examples: tiny://qwen3_moe, tiny://tokenizer, tiny://data/train.parquet. Any other path is
+    returned unchanged, so callers can pass every configured path through this function.
+    """
+    if not path.startswith(TINY_SCHEME):
+        return path
+    root = default_asset_dir()
+    if read_manifest(root) is None:
+        print(f"dapo-megatron: {path} is used for the first time: building the tiny assets in {root} (1-2 "
+              f"minutes on 2 CPU cores, once; set ${ASSETS_ENV} to put them elsewhere)", file=sys.stderr, flush=True)
+        start = time.perf_counter()
+        build_assets(root, log=lambda _msg: None)
+        print(f"dapo-megatron: built the tiny assets in {time.perf_counter() - start:.0f} s", file=sys.stderr,
+              flush=True)
+    target = root / path[len(TINY_SCHEME):]
+    if not target.exists():
+        names = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+        raise FileNotFoundError(f"{path}: no {target.name!r} in the tiny assets at {root} (have: {names})")
+    return str(target)
+
+
+def _build_into(root: Path, *, seed: int, warmup_steps: int, log: Callable[[str], None]) -> dict[str, Any]:
+    start = time.perf_counter()
+    tokenizer = build_tokenizer(str(root / "tokenizer"))
+    train_rows, val_rows = synthetic.make_splits(seed)
+    (root / "data").mkdir()
+    for name, rows in (("train", train_rows), ("val", val_rows)):
+        pq.write_table(pa.Table.from_pylist(rows), root / "data" / f"{name}.parquet")
+    models = {}
+    for kind in MODEL_KINDS:
+        models[kind] = _build_model(kind, root / kind, root / "tokenizer", tokenizer, seed=seed,
+                                    warmup_steps=warmup_steps)
+        log(f"{kind}: {_describe(models[kind])}")
+    manifest = {
+        "asset_version": ASSET_VERSION, "seed": seed, "warmup_steps": warmup_steps,
+        "target_accuracy": TARGET_ACCURACY, "warmup": WARMUP, "eval": EVAL, "models": models,
+        "tokenizer": {"vocab_size": len(tokenizer), **special_token_ids(tokenizer)},
+        "data": {"data_source": synthetic.DATA_SOURCE, "train_rows": len(train_rows), "val_rows": len(val_rows),
+                 "val_pairs_held_out": True},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                     "tokenizers": tokenizers.__version__, "pyarrow": pa.__version__,
+                     "python": sys.version.split()[0]},
+        "build_seconds": round(time.perf_counter() - start, 2),
+    }
+    (root / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _build_model(kind: str, model_dir: Path, tokenizer_dir: Path, tokenizer, *, seed: int,
+                 warmup_steps: int) -> dict[str, Any]:
+    """Random-init `kind`, warm it up on the train pairs, save it with the tokenizer files."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+    ids = special_token_ids(tokenizer)
+    with _quiet_progress_bars():
+        build_tiny_model(kind, str(model_dir), vocab_size=len(tokenizer), seed=seed, special_token_ids=ids)
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    stats: dict[str, Any] = {"params": sum(p.numel() for p in model.parameters())}
+    if warmup_steps > 0:
+        stats.update(_warm_up(model, tokenizer, seed=seed, max_steps=warmup_steps))
+        with _quiet_progress_bars():
+            model.save_pretrained(str(model_dir), safe_serialization=True)
+    # Qwen2.5-Instruct stops on either end token; vLLM reads this list from generation_config.
+    GenerationConfig(bos_token_id=ids["bos_token_id"], pad_token_id=ids["pad_token_id"],
+                     eos_token_id=[ids["eos_token_id"], ids["pad_token_id"]]).save_pretrained(str(model_dir))
+    for f in sorted(tokenizer_dir.iterdir()):
+        shutil.copy2(f, model_dir / f.name)
+    return stats
+
+
+def _warm_up(model, tokenizer, *, seed: int, max_steps: int) -> dict[str, Any]:
+    """Supervised warm-up until TARGET_ACCURACY or max_steps; returns the numbers for the manifest."""
+    train_pairs, val_pairs = synthetic.split_pairs(seed)
+
+    def reached() -> bool:
+        return sampled_accuracy(model, tokenizer, train_pairs, seed=seed, **STOP_CHECK) >= TARGET_ACCURACY
+
+    # One thread: CPU kernels reduce in a thread-count-dependent order and the same seed must give
+    # the same bytes on any machine. More threads do not help at this size, and on a busy 2-core
+    # machine they made training steps ~50x slower (spinning OpenMP workers).
+    with _torch_threads(1):
+        before = sampled_accuracy(model, tokenizer, train_pairs, seed=seed, **EVAL)
+        begin = time.perf_counter()
+        losses = supervised_warmup(model, tokenizer, train_pairs, steps=max_steps, seed=seed, stop=reached, **WARMUP)
+        seconds = time.perf_counter() - begin
+        return {"warmup_steps_taken": len(losses), "warmup_seconds": round(seconds, 2),
+                "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),
+                "train_accuracy_before": before,
+                "train_accuracy": sampled_accuracy(model, tokenizer, train_pairs, seed=seed, **EVAL),
+                "val_accuracy": sampled_accuracy(model, tokenizer, val_pairs, seed=seed, **EVAL)}
+
+
+def _describe(stats: dict[str, Any]) -> str:
+    if "warmup_seconds" not in stats:
+        return f"{stats['params']:,} params, no warm-up"
+    return (f"{stats['params']:,} params, warm-up {stats['warmup_steps_taken']} steps in "
+            f"{stats['warmup_seconds']:.1f} s, loss {stats['loss_first']:.3f} -> {stats['loss_last']:.3f}, "
+            f"sampled accuracy (T=1) {stats['train_accuracy_before']:.3f} -> {stats['train_accuracy']:.3f} train, "
+            f"{stats['val_accuracy']:.3f} val")
+
+
+def _replace_dir(new: Path, out: Path) -> None:
+    """Rename `new` to `out`; an old `out` is moved aside first and deleted after the swap."""
+    old = None
+    if out.exists():
+        old = out.parent / f".{out.name}.old-{os.getpid()}"
+        os.rename(out, old)
+    os.rename(new, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+@contextmanager
+def _file_lock(path: Path):
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _torch_threads(n: int):
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+@contextmanager
+def _quiet_progress_bars():
+    """transformers draws a bar per save/load; in a build of two tiny models they are just noise."""
+    from transformers.utils import logging as hf_logging
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()

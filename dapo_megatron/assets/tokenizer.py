@@ -1,0 +1,92 @@
+"""A small byte-level BPE tokenizer with Qwen's ChatML conventions, trained locally (no download).
+
+It mirrors Qwen2's tokenizer where code paths care: the same pre-tokenizer regex (every digit is
+its own token), the same special tokens and chat template, pad = <|endoftext|>, eos = <|im_end|>.
+Only the vocabulary is small (512), learnt from a generated corpus, so tiny models stay tiny.
+"""
+from __future__ import annotations
+
+import os
+
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+from dapo_megatron.data import synthetic
+
+VOCAB_SIZE = 512
+ENDOFTEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END]
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+
+# Qwen2's split regex: `\p{N}` alone makes each digit a separate pre-token, so no merge can glue
+# digits together and "12" is always two tokens ("1", "2"), as in the real Qwen vocabulary.
+QWEN2_SPLIT_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"""
+                     r"""| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+
+# Qwen2-Instruct's template: a default system message when the conversation has none.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+GENERIC_TEXT = """\
+The quick brown fox jumps over the lazy dog. A model learns from rewards, not from labels.
+Reinforcement learning improves a policy by sampling answers and scoring them with a verifier.
+Please reason step by step, and put your final answer within a box. What is the sum of two numbers?
+The answer is correct when it matches the ground truth. Training runs on a single machine today.
+Experts route each token to the two best matching feed forward networks in a mixture of experts.
+Let x be a number such that x plus three equals seven. Then x is four, because seven minus three
+is four. Compute the value of the expression, simplify the fraction, and check your work.
+Numbers: zero one two three four five six seven eight nine ten eleven twelve hundred thousand.
+Questions and answers: who, what, where, when, why, how. It is, it was, there are, there were.
+""".split("\n")
+
+
+def tokenizer_corpus() -> list[str]:
+    """The training text: the task in its chat scaffolding, plus a little generic prose.
+
+    Special tokens are left out on purpose: the trainer does not treat them atomically and would
+    spend merges on fragments like "<|im". They are added as whole tokens afterwards.
+    """
+    lines = ["system\n" + DEFAULT_SYSTEM_PROMPT, "system\n" + synthetic.SYSTEM_PROMPT, "user\n", "assistant\n"]
+    for a, b in synthetic.addition_pairs():
+        lines += [f"user\n{a}+{b}=", "assistant\n" + synthetic.response_text(a, b),
+                  f"{a} + {b} = {a + b}", f"The sum of {a} and {b} is {a + b}."]
+    return lines + [line for line in GENERIC_TEXT if line]
+
+
+def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """Train the BPE (deterministic: fixed corpus, full byte alphabet) and wrap it for transformers."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(tokenizer_corpus(), trainer)
+    # GPT2TokenizerFast(vocab_file=...) silently builds an empty tokenizer; wrapping the trained
+    # object is the reliable way to get a dir that AutoTokenizer reloads offline.
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token=IM_END, pad_token=ENDOFTEXT,
+                                   unk_token=None, additional_special_tokens=[IM_START, IM_END],
+                                   chat_template=CHAT_TEMPLATE, model_max_length=1024,
+                                   clean_up_tokenization_spaces=False)
+
+
+def special_token_ids(tokenizer) -> dict[str, int]:
+    """Token ids for the model config, as Qwen2.5-Instruct sets them (bos = <|endoftext|>)."""
+    return {name: tokenizer.convert_tokens_to_ids(token) for name, token in
+            (("bos_token_id", ENDOFTEXT), ("eos_token_id", IM_END), ("pad_token_id", ENDOFTEXT))}
+
+
+def build_tokenizer(out_dir: str, vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """Train and save as a HF fast-tokenizer dir (tokenizer.json + config + chat template)."""
+    tokenizer = train_tokenizer(vocab_size)
+    os.makedirs(out_dir, exist_ok=True)
+    tokenizer.save_pretrained(out_dir)
+    return tokenizer

@@ -1,0 +1,29 @@
+"""Shared test setup: no hub access, quiet tokenizers, and the tiny assets built once per session."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+# Set before anything imports huggingface_hub (it reads these once): a test that would download
+# must fail, not hang or pass by luck on a machine with a warm hub cache.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# No warm-up: tests need real checkpoints of the right shapes, not a model that can add; the
+# warm-up itself is tested on its own (tests/unit/test_assets_warmup.py).
+TEST_ASSETS_WARMUP_STEPS = 0
+TEST_ASSETS_SEED = 0
+
+
+@pytest.fixture(scope="session")
+def tiny_assets(tmp_path_factory) -> Path:
+    """An asset dir (tokenizer/, qwen2/, qwen3_moe/, data/{train,val}.parquet, manifest.json).
+
+    Use `tiny_assets / "qwen3_moe"` as a model path. Built with random-init models (no warm-up)
+    into a session tmp dir, so it never touches the user's ~/.cache asset dir.
+    """
+    from dapo_megatron.assets.build import build_assets
+    out = tmp_path_factory.mktemp("tiny-assets") / "assets"
+    return build_assets(out, seed=TEST_ASSETS_SEED, warmup_steps=TEST_ASSETS_WARMUP_STEPS, log=lambda _msg: None)
