@@ -1,0 +1,206 @@
+"""Collect one step's training groups: generate -> score -> dynamic sampling, in two modes.
+
+sync:       the DAPO recipe. Rounds of data.gen_batch_size prompts are generated whole, scored and
+            filtered until train_batch_size groups are kept (or max_num_gen_batches rounds ran).
+early_stop: prompts go to the engines as capacity frees (least-loaded engine first), each group
+            is scored as soon as its n responses finish, and once the batch is full the requests
+            still in flight are aborted. Aborted and never-submitted prompts go back to the front
+            of the prompt stream, so no prompt is skipped.
+Engines are Ray actor handles with the `rollout.Engine` methods; `score` turns finished
+`RolloutGroup`s into `algo.Group`s (metric values + payload), so tests can swap the reward.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import ray
+import torch
+
+from dapo_megatron.algo import DynamicSampler, Group
+from dapo_megatron.batch import RolloutBatch, pad_right
+from dapo_megatron.data.dataset import PromptDataset, PromptItem
+from dapo_megatron.data.sampler import PromptSampler
+from dapo_megatron.rollout.types import RolloutGroup, Sampling
+
+ScoreFn = Callable[[Sequence[PromptItem], Sequence[RolloutGroup]], list[Group]]
+
+
+@dataclass
+class Collected:
+    groups: list[Group]  # kept groups, in arrival order (payload: see `make_payload`)
+    metrics: dict[str, float]
+
+
+def make_payload(item: PromptItem, group: RolloutGroup, scores: torch.Tensor, acc: torch.Tensor) -> dict:
+    """What a kept group carries to the batch: the prompt, its n responses and their rewards."""
+    return {"item": item, "group": group, "scores": scores, "acc": acc}
+
+
+def _tokens(groups: Sequence[Group | RolloutGroup]) -> int:
+    rollouts = [g.payload["group"] if isinstance(g, Group) else g for g in groups]
+    return sum(len(r) for g in rollouts for r in g.responses)
+
+
+def _split(items: list, parts: int) -> list[list]:
+    return [items[i::parts] for i in range(parts)]
+
+
+def collect_sync(engines: list, dataset: PromptDataset, prompts: PromptSampler, sampler: DynamicSampler,
+                 score: ScoreFn, sampling: Sampling, gen_batch_size: int) -> Collected:
+    """Recipe rounds: generate gen_batch_size prompts on all engines, score, filter, repeat."""
+    generated = 0
+    while not sampler.should_stop():
+        items = [dataset[i] for i in prompts.next(gen_batch_size)]
+        shards = _split(items, len(engines))
+        futures = [e.generate.remote([it.prompt_ids for it in shard], sampling) for e, shard in zip(engines, shards)]
+        for shard, results in zip(shards, ray.get(futures)):
+            if shard:
+                groups = score(shard, results)
+                generated += _tokens(groups)
+                sampler.add(groups, new_round=False)
+        sampler.start_round()
+    return _finish(sampler, generated, discarded_abort=0)
+
+
+def _finish(sampler: DynamicSampler, generated: int, discarded_abort: int) -> Collected:
+    metrics = {k.replace("dynamic_sampling/", "sampling/"): float(v) for k, v in sampler.metrics().items()}
+    kept = sampler.take()
+    kept_tokens = _tokens(kept)
+    metrics.update({"sampling/generated_tokens": float(generated + discarded_abort),
+                    "sampling/kept_tokens": float(kept_tokens),
+                    "sampling/discarded_tokens": float(generated + discarded_abort - kept_tokens),
+                    "sampling/aborted_tokens": float(discarded_abort)})
+    return Collected(kept, metrics)
+
+
+class _EarlyStop:
+    """The state of one early-stop collection: what is queued, in flight, and where."""
+
+    def __init__(self, engines: list, dataset: PromptDataset, sampling: Sampling, max_concurrent_per_engine: int):
+        self.engines, self.dataset, self.sampling = engines, dataset, sampling
+        # Capacity in groups: an engine runs n requests per prompt.
+        self.capacity = max(1, max_concurrent_per_engine // sampling.n)
+        self.queued: deque[PromptItem] = deque()
+        self.in_flight: dict[str, tuple[int, PromptItem]] = {}  # request id -> (engine, item)
+        self.load = [0] * len(engines)
+        self.ids = itertools.count()
+
+    def submit_ready(self) -> None:
+        calls = []
+        while self.queued:
+            e = min(range(len(self.engines)), key=self.load.__getitem__)  # least-loaded engine first
+            if self.load[e] >= self.capacity:
+                break
+            item = self.queued.popleft()
+            rid = f"g{next(self.ids)}-p{item.index}"
+            self.in_flight[rid] = (e, item)
+            self.load[e] += 1
+            calls.append(self.engines[e].submit.remote(rid, item.prompt_ids, self.sampling, index=item.index))
+        ray.get(calls)
+
+    def poll(self, timeout: float) -> list[tuple[PromptItem, RolloutGroup]]:
+        done = []
+        busy = [e for e in range(len(self.engines)) if self.load[e]]
+        for results in ray.get([self.engines[e].poll.remote(timeout=timeout) for e in busy]):
+            for group in results:
+                e, item = self.in_flight.pop(group.request_id)
+                self.load[e] -= 1
+                done.append((item, group))
+        return done
+
+    def abort_all(self) -> tuple[list[PromptItem], int]:
+        """Abort what is in flight, wait for the aborted groups; returns their prompts and tokens."""
+        by_engine: dict[int, list[str]] = {}
+        for rid, (e, _) in self.in_flight.items():
+            by_engine.setdefault(e, []).append(rid)
+        ray.get([self.engines[e].abort.remote(rids) for e, rids in by_engine.items()])
+        returned, tokens = [], 0
+        while self.in_flight:
+            for item, group in self.poll(timeout=0.5):
+                returned.append(item)
+                tokens += _tokens([group])
+        return returned, tokens
+
+
+def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSampler, sampler: DynamicSampler,
+                       score: ScoreFn, sampling: Sampling, gen_batch_size: int,
+                       max_concurrent_per_engine: int, poll_s: float = 0.05) -> Collected:
+    """Stream prompts to the engines until train_batch_size groups are kept, then abort the rest."""
+    run = _EarlyStop(engines, dataset, sampling, max_concurrent_per_engine)
+    generated = 0
+    while not sampler.is_full:
+        if not run.queued and not sampler.exhausted:
+            run.queued.extend(dataset[i] for i in prompts.next(gen_batch_size))
+            sampler.start_round()
+        run.submit_ready()
+        if not run.in_flight:
+            break  # round budget spent and everything came back: train on what was kept
+        finished = run.poll(timeout=poll_s)
+        if finished:
+            items, groups = zip(*finished)
+            scored = score(items, groups)
+            generated += _tokens(scored)
+            sampler.add(scored, new_round=False)
+    returned, aborted_tokens = run.abort_all()
+    # Aborted prompts first, then the never-submitted ones, in their original order.
+    prompts.push_back([it.index for it in returned] + [it.index for it in run.queued])
+    result = _finish(sampler, generated, aborted_tokens)
+    result.metrics["sampling/aborted_groups"] = float(len(returned))
+    return result
+
+
+def groups_to_batch(groups: Sequence[Group]) -> RolloutBatch:
+    """Kept groups -> one RolloutBatch; `group` is the group's position in this step."""
+    prompts, responses, logprobs, reasons, group_ids, index, truths, sources, scores, acc = ([] for _ in range(10))
+    for gid, g in enumerate(groups):
+        item, rollout = g.payload["item"], g.payload["group"]
+        for j, response in enumerate(rollout.responses):
+            prompts.append(torch.tensor(item.prompt_ids, dtype=torch.long))
+            responses.append(torch.tensor(response, dtype=torch.long))
+            logprobs.append(torch.tensor(rollout.rollout_logprobs[j], dtype=torch.float32))
+            reasons.append(rollout.finish_reasons[j])
+            group_ids.append(gid)
+            index.append(item.index)
+            truths.append(item.ground_truth)
+            sources.append(item.data_source)
+        scores.append(g.payload["scores"])
+        acc.append(g.payload["acc"])
+    return RolloutBatch(prompts=prompts, responses=responses, group=torch.tensor(group_ids),
+                        prompt_index=torch.tensor(index), rollout_logprobs=pad_right(logprobs),
+                        finish_reasons=reasons, ground_truths=truths, data_sources=sources,
+                        scores=torch.cat(scores), acc=torch.cat(acc))
+
+
+class RewardScorer:
+    """ScoreFn over the reward manager: decode responses, score them, group by prompt.
+
+    The filter metric is `algorithm.filter_groups.metric`: `acc` uses correctness, the others the
+    shaped score. Reward metrics of all calls in a step are averaged by `pop_metrics()`.
+    """
+
+    def __init__(self, reward, tokenizer, metric: str):
+        self.reward, self.tokenizer, self.metric = reward, tokenizer, metric
+        self._metrics: list[dict] = []
+
+    def __call__(self, items: Sequence[PromptItem], groups: Sequence[RolloutGroup]) -> list[Group]:
+        responses = [r for g in groups for r in g.responses]
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        truths = [it.ground_truth for it, g in zip(items, groups) for _ in g.responses]
+        sources = [it.data_source for it, g in zip(items, groups) for _ in g.responses]
+        out = self.reward(texts, truths, [len(r) for r in responses], data_sources=sources)
+        self._metrics.append(out.metrics)
+        kept, start = [], 0
+        for item, group in zip(items, groups):
+            sl = slice(start, start + len(group.responses))
+            start = sl.stop
+            values = out.acc[sl].float() if self.metric == "acc" else out.score[sl]
+            kept.append(Group(values.tolist(), make_payload(item, group, out.score[sl], out.acc[sl])))
+        return kept
+
+    def pop_metrics(self) -> dict[str, float]:
+        rows, self._metrics = self._metrics, []
+        keys = {k for r in rows for k in r}
+        return {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys} if rows else {}

