@@ -123,6 +123,10 @@ def _check_layouts(cfg: DapoConfig) -> None:
     _check_training_layout("actor", cfg.actor.parallel, devices["actor"])
     if cfg.actor.use_kl_loss:
         _check_training_layout("ref", cfg.ref.parallel, devices["ref"])
+        # The reference runs on the actor's ranks, inside the same Megatron parallel state.
+        _require(cfg.ref.parallel == cfg.actor.parallel, "ref.parallel",
+                 f"ref.parallel ({cfg.ref.parallel}) must equal actor.parallel ({cfg.actor.parallel}): the "
+                 f"reference shares the actor's ranks")
     r = cfg.rollout.parallel
     _require(r.tp >= 1 and devices["rollout"] % r.tp == 0, "rollout.parallel.tp",
              f"rollout.parallel.tp ({r.tp}) must divide the {devices['rollout']} devices of the engines")

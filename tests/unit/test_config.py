@@ -117,6 +117,7 @@ RULES = [
     (["actor.parallel.ep=1", "actor.parallel.vpp=2"], "actor.parallel.vpp"),
     (["actor.parallel.ep=1", "actor.parallel.cp=0"], "actor.parallel.cp"),
     (["actor.use_kl_loss=true", "ref.parallel.tp=4"], "ref.parallel.tp"),
+    (["actor.use_kl_loss=true", "ref.parallel.ep=1"], "ref.parallel"),
     (["rollout.parallel.tp=4"], "rollout.parallel.tp"),
     (["rollout.parallel.ep=2"], "rollout.parallel.ep"),
     (["rollout.parallel.pp=2"], "rollout.parallel.pp"),

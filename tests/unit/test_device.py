@@ -50,3 +50,13 @@ def test_cpu_bind_groups_for_tp_engines(monkeypatch):
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     assert "VLLM_CPU_OMP_THREADS_BIND" not in get_device("cpu").vllm_env(1)
     assert get_device("cpu").vllm_env(2)["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
+
+
+def test_ray_resource_and_cpu_threads():
+    assert [Device(k).ray_resource for k in ("cuda", "npu", "cpu")] == ["GPU", "NPU", "CPU"]
+    before = torch.get_num_threads()
+    try:
+        get_device("cpu").setup_process(64)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
