@@ -104,6 +104,7 @@ class RolloutConfig:
     name: str = "vllm"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # per engine: tp and ep
     num_devices: int = 0  # split placement only: devices for the engines (the rest train)
+    num_engines: int = 0  # 0: as many as fit (engine devices / parallel.tp); fewer leaves devices idle
     n: int = 16
     temperature: float = 1.0
     top_p: float = 1.0

@@ -99,6 +99,10 @@ def role_devices(cfg: DapoConfig) -> dict[str, int]:
     return {"actor": world - n, "ref": world - n, "rollout": n}
 
 
+def num_engines(cfg: DapoConfig) -> int:
+    return cfg.rollout.num_engines or role_devices(cfg)["rollout"] // cfg.rollout.parallel.tp
+
+
 def data_parallel_size(p: ParallelConfig, devices: int) -> int:
     return devices // (p.tp * p.pp * p.cp)
 
@@ -134,6 +138,12 @@ def _check_layouts(cfg: DapoConfig) -> None:
              f"rollout.parallel.ep ({r.ep}) must be 1 or equal rollout.parallel.tp ({r.tp}): vLLM spreads "
              f"experts over the engine's tensor-parallel ranks")
     _require(r.pp == 1, "rollout.parallel.pp", "rollout.parallel.pp must be 1 (engines use TP and EP)")
+    fit = devices["rollout"] // r.tp
+    _require(0 <= cfg.rollout.num_engines <= fit, "rollout.num_engines",
+             f"rollout.num_engines ({cfg.rollout.num_engines}) must be in [0, {fit}]: {devices['rollout']} engine "
+             f"devices / rollout.parallel.tp ({r.tp}); 0 starts {fit}")
+    _require(0 < cfg.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
+             f"rollout.gpu_memory_utilization must be in (0, 1], got {cfg.rollout.gpu_memory_utilization}")
     dp = data_parallel_size(cfg.actor.parallel, devices["actor"])
     responses = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
     _require(responses % dp == 0, "actor.ppo_mini_batch_size",
@@ -153,6 +163,12 @@ def check_model(cfg: DapoConfig, hf_config: Mapping[str, Any]) -> None:
                  f"key-value heads ({kv})")
         _require(layers % (p.pp * p.vpp) == 0, f"{role}.parallel.pp",
                  f"{role}.parallel.pp ({p.pp}) x vpp ({p.vpp}) must divide the model's {layers} layers")
+    for role, p in roles:
+        # megatron-core 0.16.1 reduces expert grads over the dense DP group only: with TP>1 and
+        # EP=1 each TP rank would keep half the expert gradient unless experts are TP-split too.
+        _require(not experts or p.tp == 1 or p.ep > 1 or p.etp == p.tp, f"{role}.parallel.etp",
+                 f"{role}.parallel.etp ({p.etp}) must equal {role}.parallel.tp ({p.tp}) for an MoE model with "
+                 f"{role}.parallel.ep=1 (megatron-core mis-reduces expert gradients otherwise); or raise ep")
     for role, p in roles + [("rollout", cfg.rollout.parallel)]:
         _require(p.ep == 1 or (experts and experts % p.ep == 0), f"{role}.parallel.ep",
                  f"{role}.parallel.ep ({p.ep}) must divide the model's number of experts ({experts})")

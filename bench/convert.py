@@ -1,0 +1,175 @@
+"""Converter throughput and memory: HF -> Megatron dist checkpoint -> HF on a generated checkpoint.
+
+    python bench/convert.py [--size-gb 1.0] [--save tp=2,ep=2] [--load pp=2] [--workdir DIR]
+
+Generates a random Qwen3-MoE checkpoint of about --size-gb (fp32; wider and deeper than the
+test models), then times, in the same run: a plain copy of its safetensors files (the I/O
+baseline), `convert hf-to-mcore` at --save and `convert mcore-to-hf` at --load, and checks the
+round trip is bit-exact. Peak RSS is sampled per worker process (psutil, every 0.1 s) and shown
+next to the share of the checkpoint that rank wrote and the RSS of an idle worker (imports only);
+in parentheses RSS without file-backed pages (the memory-mapped safetensors count in RSS but
+are page cache the kernel can drop);
+"net GB/s" subtracts that idle worker's start-up time (spawn + imports), a fixed cost per run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+GB = 1e9
+
+
+def _layout(text: str) -> list[str]:
+    """'tp=2,ep=2' -> ['--tp', '2', '--ep', '2']"""
+    args = []
+    for item in filter(None, text.split(",")):
+        key, value = item.split("=")
+        args += [f"--{key.strip()}", value.strip()]
+    return args
+
+
+def _layers_for(size_gb: float) -> int:
+    """Layers of the bench architecture (~88 MB fp32 per layer, ~260 MB of embeddings)."""
+    return max(2, round((size_gb * GB - 2 * 32000 * 1024 * 4) / (22.1e6 * 4)))
+
+
+def build_checkpoint(out: str, size_gb: float) -> str:
+    from dapo_megatron.assets.models import build_tiny_model
+    return build_tiny_model("qwen3_moe", out, vocab_size=32000, hidden_size=1024, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=128, num_hidden_layers=_layers_for(size_gb),
+                            num_experts=8, moe_intermediate_size=768, intermediate_size=2048)
+
+
+def _dir_bytes(path: str, suffix: str = "") -> int:
+    return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(suffix))
+
+
+class RssSampler:
+    """Peak RSS of each rank (direct child) and of their helper processes (dist_checkpointing's
+    writer subprocesses), sampled in a background thread."""
+
+    def __init__(self):
+        self.peak: dict[int, int] = {}
+        self.anon_peak: dict[int, int] = {}  # RSS minus file-backed pages (the mmap'd safetensors)
+        self.helper_peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        me = psutil.Process()
+        while not self._stop.is_set():
+            for child in me.children(recursive=False):
+                try:
+                    if "resource_tracker" in " ".join(child.cmdline()):
+                        continue
+                    mem = child.memory_info()
+                    self.peak[child.pid] = max(self.peak.get(child.pid, 0), mem.rss)
+                    self.anon_peak[child.pid] = max(self.anon_peak.get(child.pid, 0), mem.rss - mem.shared)
+                    for helper in child.children(recursive=True):
+                        self.helper_peak = max(self.helper_peak, helper.memory_info().rss)
+                except psutil.Error:
+                    pass
+            time.sleep(0.1)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+
+def _idle_worker() -> tuple[int, float]:
+    """(RSS, wall seconds) of a worker that only imports megatron and initialises the parallel
+    state: the fixed start-up cost inside every convert run."""
+    from dapo_megatron.train.parallel import run_workers
+    t = time.perf_counter()
+    rss = run_workers(_idle_job, 1, timeout_s=300)[0]
+    return rss, time.perf_counter() - t
+
+
+def _idle_job() -> int:
+    from dapo_megatron.config.schema import ParallelConfig
+    from dapo_megatron.train.parallel import init_parallel
+    init_parallel(ParallelConfig())
+    return psutil.Process().memory_info().rss
+
+
+def _timed_convert(argv: list[str]) -> tuple[float, list[str], int]:
+    from dapo_megatron.convert import main as convert_main
+    with RssSampler() as rss:
+        t = time.perf_counter()
+        code = convert_main(argv)
+        seconds = time.perf_counter() - t
+    if code != 0:
+        raise SystemExit(f"convert {' '.join(argv)} failed with exit code {code}")
+    per_rank = [f"{rss.peak[p] / GB:.2f}({rss.anon_peak[p] / GB:.2f})" for p in sorted(rss.peak, key=rss.peak.get, reverse=True)]
+    return seconds, per_rank, rss.helper_peak
+
+
+def _bit_exact(a_dir: str, b_dir: str) -> bool:
+    import torch
+
+    from dapo_megatron.weights import HFCheckpoint
+    a, b = HFCheckpoint(a_dir), HFCheckpoint(b_dir)
+    return a.keys() == b.keys() and all(torch.equal(a.read(k), b.read(k)) for k in sorted(a.keys()))
+
+
+def run(args) -> list[tuple]:
+    work = args.workdir or tempfile.mkdtemp(prefix="bench_convert_")
+    hf, ckpt, back = (os.path.join(work, n) for n in ("hf", "mcore", "hf_back"))
+    build_checkpoint(hf, args.size_gb)
+    size = _dir_bytes(hf, ".safetensors")
+    t = time.perf_counter()
+    copy_dir = os.path.join(work, "copy")
+    os.makedirs(copy_dir)
+    for f in os.listdir(hf):
+        if f.endswith(".safetensors"):
+            shutil.copyfile(os.path.join(hf, f), os.path.join(copy_dir, f))
+    copy_s = time.perf_counter() - t
+    idle, startup_s = _idle_worker()
+    save_s, save_rss, save_helper = _timed_convert(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt, "--force", *_layout(args.save)])
+    ranks = sorted({f.split("_")[2] for f in os.listdir(ckpt) if f.endswith(".distcp")})
+    shards = [sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)
+                  if f.endswith(".distcp") and f.split("_")[2] == r) for r in ranks]
+    load_s, load_rss, load_helper = _timed_convert(["mcore-to-hf", "--ckpt", ckpt, "--out", back, "--force", *_layout(args.load)])
+    exact = _bit_exact(hf, back)
+    gb = lambda xs: "/".join(f"{x / GB:.2f}" for x in xs)  # noqa: E731
+    net = lambda s: size / GB / max(s - startup_s, 1e-3)  # noqa: E731  (GB/s without start-up)
+    rows = [("plain copy", "-", copy_s, size / GB / copy_s, size / GB / copy_s, "-", "-", "-"),
+            ("hf-to-mcore", args.save, save_s, size / GB / save_s, net(save_s), "/".join(save_rss), gb([save_helper]),
+             gb(sorted(shards, reverse=True))),
+            ("mcore-to-hf", args.load, load_s, size / GB / load_s, net(load_s), "/".join(load_rss), gb([load_helper]), "-")]
+    print(f"checkpoint {size / GB:.2f} GB ({_layers_for(args.size_gb)} layers, 8 experts), "
+          f"idle worker: RSS {idle / GB:.2f} GB, start-up {startup_s:.1f} s; round trip bit-exact: {exact}")
+    if not args.workdir:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size-gb", type=float, default=1.0)
+    p.add_argument("--save", default="tp=2,ep=2", help="layout of hf-to-mcore, e.g. tp=2,ep=2")
+    p.add_argument("--load", default="pp=2", help="layout of mcore-to-hf, e.g. pp=2")
+    p.add_argument("--workdir", default=None, help="keep the files here (default: a temp dir, removed)")
+    rows = run(p.parse_args(argv))
+    print(f"{'step':<12} {'layout':<10} {'seconds':>8} {'GB/s':>6} {'net GB/s':>8}  {'peak RSS(anon)/rank GB':<24} "
+          f"{'helper proc GB':<15} shard/rank GB")
+    for step, layout, s, gbps, net, rss, helper, shard in rows:
+        print(f"{step:<12} {layout:<10} {s:>8.2f} {gbps:>6.3f} {net:>8.3f}  {rss:<24} {helper:<15} {shard}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Checkpoint utilities: `verify` (Megatron vs HF logits) and `inspect` (names, shapes, layout)."""

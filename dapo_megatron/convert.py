@@ -1,0 +1,251 @@
+"""Convert checkpoints between HF safetensors and Megatron-Core distributed checkpoints.
+
+    python -m dapo_megatron.convert hf-to-mcore --hf-dir HF --out CKPT --tp 2 --ep 2
+    python -m dapo_megatron.convert mcore-to-hf --ckpt CKPT --out HF2
+
+The tool launches its own worker processes for the requested layout (gloo on CPU, the
+accelerator when present). A Megatron checkpoint written at one layout loads at any other
+(dist_checkpointing reshards). Output goes to a temporary folder next to --out, renamed when
+complete, so an error never leaves a partial checkpoint. Bad input exits with code 2 and one
+line naming the tensor or file. Megatron is imported only inside the workers, so --help is fast.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+
+HF_SUBDIR = "hf"  # config + tokenizer files inside a Megatron checkpoint dir
+META_FILE = "dapo_megatron.json"  # layout and dtype the checkpoint was written with
+HF_AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
+                "added_tokens.json", "chat_template.jinja", "chat_template.json")
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+_TORCH_NAMES = {v: k for k, v in _DTYPE_NAMES.items()}
+
+
+class UsageError(Exception):
+    """Bad command line or input: reported as one line, exit code 2."""
+
+
+# --------------------------------------------------------------------------------------------
+# Worker side (runs in each spawned rank).
+
+
+def _parallel(layout: dict):
+    from dapo_megatron.config.schema import ParallelConfig
+    return ParallelConfig(**layout)
+
+
+def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    from dapo_megatron.models import build_model, load_hf_config
+    from dapo_megatron.train.parallel import init_parallel
+    from dapo_megatron.weights import load_hf_checkpoint
+    init_parallel(_parallel(layout), key="convert")
+    # Every parameter is overwritten by the load: skip Megatron's random init, which on CPU
+    # builds each full (unsharded) weight on every rank before slicing it.
+    chunks = build_model(load_hf_config(hf_dir), dtype=dtype, perform_initialization=False)
+    load_hf_checkpoint(chunks, hf_dir, progress=True)
+    dist_checkpointing.save({"model": chunks[0].sharded_state_dict()}, out_dir)
+
+
+def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dict, dtype: str,
+                        shard_bytes: int) -> dict:
+    """Load the dist checkpoint at `layout`, export; one writer per pipeline stage."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as mpu
+    from tqdm import tqdm
+
+    from dapo_megatron.models import build_model, load_hf_config
+    from dapo_megatron.train.parallel import init_parallel
+    from dapo_megatron.weights import export_hf
+    from dapo_megatron.weights.hf_io import ShardWriter
+    init_parallel(_parallel(layout), key="convert")
+    chunks = build_model(load_hf_config(hf_config_dir), dtype=dtype, perform_initialization=False)
+    state = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()}, ckpt)
+    chunks[0].load_state_dict(state["model"], strict=True)
+    writer = (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
+              and mpu.get_context_parallel_rank() == 0)
+    shards = ShardWriter(out_dir, f"part-s{mpu.get_pipeline_model_parallel_rank()}", shard_bytes)
+    bar = tqdm(desc="export", unit="tensor", disable=dist.get_rank() != 0, file=sys.stderr)
+    for bucket in export_hf(chunks, bucket_bytes=shard_bytes):
+        for name, tensor in bucket if writer else ():
+            shards.add(name, tensor)
+        bar.update(len(bucket))
+    shards.flush()
+    bar.close()
+    return {"weight_map": shards.weight_map, "total_bytes": shards.total_bytes} if writer else {}
+
+
+# --------------------------------------------------------------------------------------------
+# Parent side: argument checks, temp folder, launching, finishing.
+
+
+def _layout(args) -> dict:
+    return dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+
+
+def world_for_layout(layout: dict) -> int:
+    """Smallest world that fits both the dense (tp*pp) and the expert (etp*ep*pp) layouts."""
+    import math
+    dense, expert = layout["tp"] * layout["pp"], layout["etp"] * layout["ep"] * layout["pp"]
+    return dense * expert // math.gcd(dense, expert)
+
+
+def _temp_dir(out: str, force: bool) -> str:
+    out = os.path.abspath(out)
+    if os.path.exists(out) and not force:
+        raise UsageError(f"{out} exists; pass --force to overwrite it")
+    parent = os.path.dirname(out)
+    if not os.path.isdir(parent):
+        raise UsageError(f"the parent folder of --out, {parent}, does not exist")
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
+def _publish(tmp: str, out: str) -> None:
+    out = os.path.abspath(out)
+    if os.path.exists(out):
+        shutil.rmtree(out) if os.path.isdir(out) else os.remove(out)
+    os.replace(tmp, out)
+
+
+def _copy_aux(src: str, dst: str, dtype: str | None = None) -> None:
+    """Copy config / tokenizer files; with `dtype`, record it in config.json."""
+    os.makedirs(dst, exist_ok=True)
+    for name in HF_AUX_FILES:
+        if os.path.exists(os.path.join(src, name)):
+            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+    if dtype:
+        path = os.path.join(dst, "config.json")
+        with open(path) as f:
+            cfg = json.load(f)
+        cfg["dtype"] = _TORCH_NAMES[dtype]
+        if "torch_dtype" in cfg:  # the transformers 4 name of the same field
+            cfg["torch_dtype"] = _TORCH_NAMES[dtype]
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=2)
+
+
+def _hf_dtype(hf_dir: str) -> str:
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        cfg = json.load(f)
+    return _DTYPE_NAMES.get(cfg.get("dtype") or cfg.get("torch_dtype") or "float32", "fp32")
+
+
+def _ckpt_dtype(ckpt: str, hf_config: str) -> str:
+    """The dtype a Megatron checkpoint was written in (our metadata file, else the HF config)."""
+    meta = os.path.join(ckpt, META_FILE)
+    if not os.path.exists(meta):
+        return _hf_dtype(hf_config)
+    with open(meta) as f:
+        return json.load(f)["dtype"]
+
+
+def _check_hf_dir(hf_dir: str) -> None:
+    if not os.path.isdir(hf_dir):
+        raise UsageError(f"HF checkpoint dir {hf_dir} does not exist")
+    if not os.path.exists(os.path.join(hf_dir, "config.json")):
+        raise UsageError(f"{hf_dir} has no config.json")
+
+
+def hf_to_mcore(args) -> str:
+    from dapo_megatron.models import load_hf_config
+    from dapo_megatron.train.parallel import run_workers
+    from dapo_megatron.weights.load import check_hf_checkpoint
+    _check_hf_dir(args.hf_dir)
+    check_hf_checkpoint(args.hf_dir, load_hf_config(args.hf_dir))  # fail fast, before any worker starts
+    dtype = _hf_dtype(args.hf_dir) if args.dtype == "keep" else args.dtype
+    layout = _layout(args)
+    tmp = _temp_dir(args.out, args.force)
+    try:
+        run_workers(_hf_to_mcore_worker, world_for_layout(layout), os.path.abspath(args.hf_dir), tmp, layout, dtype,
+                    timeout_s=args.timeout)
+        _copy_aux(args.hf_dir, os.path.join(tmp, HF_SUBDIR), dtype)
+        with open(os.path.join(tmp, META_FILE), "w") as f:
+            json.dump({"format": "megatron-core dist_checkpointing torch_dist", "layout": layout,
+                       "dtype": dtype, "state_dict_key": "model"}, f, indent=2)
+        _publish(tmp, args.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return args.out
+
+
+def mcore_to_hf(args) -> str:
+    from dapo_megatron.train.parallel import run_workers
+    from dapo_megatron.weights.hf_io import finalize_shards
+    if not os.path.isdir(args.ckpt) or not os.path.exists(os.path.join(args.ckpt, "metadata.json")):
+        raise UsageError(f"{args.ckpt} is not a Megatron dist checkpoint (no metadata.json)")
+    hf_config = args.hf_config or os.path.join(args.ckpt, HF_SUBDIR)
+    _check_hf_dir(hf_config)
+    dtype = _ckpt_dtype(args.ckpt, hf_config) if args.dtype == "keep" else args.dtype
+    layout = _layout(args)
+    tmp = _temp_dir(args.out, args.force)
+    try:
+        results = run_workers(_mcore_to_hf_worker, world_for_layout(layout), os.path.abspath(args.ckpt),
+                              os.path.abspath(hf_config), tmp, layout, dtype, args.shard_mb << 20,
+                              timeout_s=args.timeout)
+        weight_map, total = {}, 0
+        for r in results:
+            weight_map.update(r.get("weight_map", {}))
+            total += r.get("total_bytes", 0)
+        finalize_shards(tmp, weight_map, total)
+        _copy_aux(hf_config, tmp, dtype)
+        _publish(tmp, args.out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return args.out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m dapo_megatron.convert", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("hf-to-mcore", help="HF safetensors -> Megatron dist checkpoint")
+    a.add_argument("--hf-dir", required=True)
+    b = sub.add_parser("mcore-to-hf", help="Megatron dist checkpoint -> HF safetensors")
+    b.add_argument("--ckpt", required=True)
+    b.add_argument("--hf-config", default=None, help="HF dir with config.json (default: CKPT/hf)")
+    b.add_argument("--shard-mb", type=int, default=4096, help="max size of one output file (MiB)")
+    for s, verb in ((a, "write"), (b, "load")):
+        s.add_argument("--out", required=True, help="output dir (written via a temp dir next to it)")
+        for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert"), ("etp", "expert-tensor")):
+            s.add_argument(f"--{name}", type=int, default=1, help=f"{what} parallel degree to {verb} the "
+                           "Megatron checkpoint at (any layout loads any other)")
+        s.add_argument("--dtype", choices=["keep", "bf16", "fp32", "fp16"], default="keep",
+                       help="dtype of the output (keep: that of the input)")
+        s.add_argument("--force", action="store_true", help="overwrite an existing --out")
+        s.add_argument("--timeout", type=float, default=3600.0, help="seconds before the workers are killed")
+        s.add_argument("--verbose", action="store_true", help="print worker tracebacks on errors")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    from dapo_megatron.train.parallel import WorkerError
+    from dapo_megatron.weights.hf_io import CheckpointError
+    try:
+        out = (hf_to_mcore if args.command == "hf-to-mcore" else mcore_to_hf)(args)
+    except (UsageError, CheckpointError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except WorkerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        if args.verbose:
+            print(e.details, file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; nothing written", file=sys.stderr)
+        return 130
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""Megatron-Core 0.16.1 on a CPU with gloo: the patches that make it run, applied once per process.
+
+Megatron-Core assumes CUDA in a few dozen places. Rather than forking it, `install()` patches the
+spots we hit, each commented with the symptom it fixes (see notes/megatron-on-cpu.md). Only the
+paths exercised by our tests are covered: model build, forward, weight load/export, distributed
+checkpoints, TP / PP / EP (allgather dispatcher) with sequence parallel.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import threading
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_INSTALLED = False
+_THREAD = threading.local()  # torch function modes are per thread
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return False
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Maps `device="cuda"` arguments to cpu, and reports cuda type names for cpu tensors.
+
+    Symptoms: `torch.zeros(..., device="cuda")` in pipeline schedules, the optimizer's `.cuda()`,
+    the default causal mask -> "Torch not compiled with CUDA enabled"; the mixed-precision and
+    distributed optimizers ("Wrapped parameters must be one of torch.cuda.FloatTensor ...") and
+    `clip_grads` (bare assertion) compare `tensor.type()` with 'torch.cuda.*Tensor' strings.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
+        if "device" in kwargs and (_is_cuda(kwargs["device"]) or isinstance(kwargs["device"], int)):
+            kwargs = {**kwargs, "device": "cpu"}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        # Symptom: "Wrapped parameters must be one of torch.cuda.FloatTensor" (DistributedOptimizer,
+        # Float16 optimizer) and a bare assertion in clip_grads.py: they check `tensor.type()`
+        # strings. Report the cuda type name for cpu tensors (added by the actor helper).
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        if func is torch.Tensor.to and any(_is_cuda(a) for a in args[1:]):
+            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+class CpuRNGStatesTracker:
+    """Megatron's RNG tracker, keeping CPU generator states instead of CUDA ones.
+
+    Symptom: `model_parallel_cuda_manual_seed` / `get_cuda_rng_tracker().fork()` raise
+    "Torch not compiled with CUDA enabled" (they store `torch.cuda.get_rng_state()`).
+    """
+
+    def __init__(self, *args, **kwargs):
+        self.use_cudagraphable_rng = False
+        self.is_inference_rng_tracker = kwargs.get("is_inference_rng_tracker", False)
+        self.reset()
+
+    def is_initialized(self):
+        return self._is_initialized
+
+    def reset(self):
+        self._is_initialized = False
+        self.states_ = {}
+        self.seeds_ = set()
+
+    def get_states(self):
+        return dict(self.states_)
+
+    def set_states(self, states):
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name, seed):
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise Exception(f"seed {seed} already exists")
+        if name in self.states_:
+            raise Exception(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        orig = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(orig)
+
+    @contextlib.contextmanager
+    def fork(self, name="model-parallel-rng"):
+        if name not in self.states_:
+            raise Exception(f"rng state {name} is not added")
+        orig = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(orig)
+
+
+def _patch_torch_cuda() -> None:
+    # Symptom: `torch.cuda.current_device()` in RoPE, the memory buffer, the router, mappings and
+    # p2p asserts "Torch not compiled with CUDA enabled"; resolve the current device to cpu.
+    torch.cuda.current_device = lambda: "cpu"
+    # Symptom: the same assertion from `torch.cuda.synchronize()` in checkpoint save and p2p.
+    torch.cuda.synchronize = lambda *a, **k: None
+
+
+def _patch_rng() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def _patch_moe() -> None:
+    # Symptom: `NameError: te_general_gemm` in the router of any MoE model without Transformer
+    # Engine (0.16.1 only defines the name when TE imports).
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def _patch_torch_norm_sequence_parallel() -> None:
+    """Symptom: "sequence parallel not supported by torch LayerNorm" (SP is required for MoE with TP).
+
+    The norm math is per token, so it is the same on a sequence shard; what SP needs is that the
+    norm weights' grads are all-reduced over TP, which Megatron does for params marked
+    `sequence_parallel` (as Transformer Engine's norms mark them).
+    """
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    original_new = WrappedTorchNorm.__new__
+
+    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, **kwargs)
+        cfg = copy.copy(config)  # a shallow copy skips __post_init__ validation, as intended
+        cfg.sequence_parallel = False
+        norm = original_new(cls, cfg, hidden_size, eps, **kwargs)
+        for p in norm.parameters():
+            p.sequence_parallel = True
+        return norm
+
+    WrappedTorchNorm.__new__ = staticmethod(__new__)
+
+
+def install() -> None:
+    """Apply the CPU patches to torch.cuda and megatron-core; idempotent.
+
+    The module patches are process-wide, but torch function modes are thread-local: call
+    install() again in any other thread that runs Megatron code (e.g. a threaded Ray actor).
+    """
+    global _INSTALLED
+    if not _INSTALLED:
+        _patch_torch_cuda()
+        _patch_rng()
+        _patch_moe()
+        _patch_torch_norm_sequence_parallel()
+        _INSTALLED = True
+    if not getattr(_THREAD, "mode", None):
+        _THREAD.mode = _CudaToCpuMode()
+        _THREAD.mode.__enter__()  # stays on this thread's mode stack for its lifetime

@@ -1,0 +1,181 @@
+"""The actor: a Megatron-Core policy with its optimizer; log-probs and the DAPO update.
+
+    info = init_parallel(cfg.actor.parallel, seed=cfg.trainer.seed)   # once per process
+    actor = Actor(cfg.actor, cfg.model.path, n=cfg.rollout.n, total_steps=..., dtype="bf16")
+    out = actor.compute_logprobs(batch)          # {"logprobs": [B, T], "entropy": [B, T]}
+    batch.old_logprobs = out["logprobs"]
+    metrics = actor.update(batch)                # needs old_logprobs, advantages (+ ref_logprobs)
+
+Every rank is called with the same full batch; each DP rank trains on its share (see
+`microbatch.split_for_dp`) and every rank returns the same full results / metrics.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.algo import agg_loss, compute_policy_loss, kl_penalty, loss_normalizer_counts
+from dapo_megatron.batch import RolloutBatch
+from dapo_megatron.config.schema import ActorConfig
+from dapo_megatron.models.gpt import _DTYPES
+from dapo_megatron.train import logprobs as lp
+from dapo_megatron.train import microbatch as mb
+from dapo_megatron.train.optim import build_optimizer, build_scheduler, wrap_ddp
+
+# Metrics summed over micro-batches and DP: losses are already shares of the mini-batch loss;
+# fractions are weighted by the micro-batch's token count and divided by the total at the end.
+_SUMMED = ("pg_loss", "entropy", "kl_loss")
+_TOKEN_WEIGHTED = ("pg_clipfrac", "pg_clipfrac_lower", "pg_clipfrac_dual", "ppo_kl", "tis_weight_mean",
+                   "tis_clipfrac")
+_KEYS = _SUMMED + _TOKEN_WEIGHTED + ("tokens",)
+
+
+def recompute_overrides(granularity: str) -> dict:
+    """TransformerConfig kwargs for `actor.recompute_granularity`."""
+    if granularity in ("", None):
+        return {}
+    if granularity == "full":
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if granularity == "selective":
+        return dict(recompute_granularity="selective")
+    raise ValueError(f"unknown actor.recompute_granularity {granularity!r}; use '', full or selective")
+
+
+def build_chunks(hf_dir: str, parallel, *, dtype: str, load: bool = True, **overrides) -> list:
+    """This rank's GPTModel chunks for `hf_dir`, HF weights loaded (before any DDP wrapping,
+    whose renamed parameters the name maps do not know)."""
+    from megatron.core import parallel_state as mpu
+    from dapo_megatron.models import build_model, load_hf_config
+    from dapo_megatron.weights import load_hf_checkpoint
+    chunks = build_model(load_hf_config(hf_dir), dtype=dtype, sequence_parallel=parallel.sequence_parallel,
+                         **overrides)
+    if load:
+        load_hf_checkpoint(chunks, hf_dir)
+    if mpu.get_pipeline_model_parallel_world_size() > 1:
+        # Micro-batches have different shapes: let p2p send shapes first. TransformerConfig
+        # refuses this with the allgather MoE dispatcher because EP ranks could then gather
+        # uneven token counts; `logprobs.plan_for_rank` gives all EP ranks the same shapes.
+        for chunk in chunks:
+            chunk.config.variable_seq_lengths = True
+    return chunks
+
+
+def check_trainable_layout(parallel, hf) -> None:
+    """Layouts whose gradients Megatron-Core 0.16 gets wrong, refused with the key to change.
+
+    With EP == 1, expert weights are flagged as dense (`allreduce=True`) and reduced over the
+    dense DP group only; with TP > 1 and ETP == 1 each TP rank then keeps the partial expert
+    gradient of its own sequence shard (seen: TP2 grads = half the TP1 grads per rank).
+    """
+    if getattr(hf, "num_experts", None) and parallel.tp > 1 and parallel.ep == 1 and parallel.etp != parallel.tp:
+        raise ValueError(f"MoE training with actor.parallel.tp={parallel.tp} and ep=1 needs "
+                         f"actor.parallel.etp={parallel.tp} (got {parallel.etp}); set etp={parallel.tp} or raise ep")
+
+
+class Actor:
+    def __init__(self, cfg: ActorConfig, hf_dir: str, *, n: int = 1, total_steps: int = 1,
+                 dtype: str = "fp32", temperature: float = 1.0, load_weights: bool = True):
+        self.cfg, self.n, self.temperature = cfg, n, temperature
+        from dapo_megatron.models import load_hf_config
+        check_trainable_layout(cfg.parallel, load_hf_config(hf_dir))
+        chunks = build_chunks(hf_dir, cfg.parallel, dtype=dtype, load=load_weights,
+                              **recompute_overrides(cfg.recompute_granularity))
+        self.vocab_size = chunks[0].hf_config.vocab_size
+        self.model = wrap_ddp(chunks, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
+        self.optimizer = build_optimizer(self.model, cfg.optim, _DTYPES[dtype])
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
+
+    @property
+    def chunks(self) -> list:
+        """The bare GPTModel chunks (for weight export; same parameters as the DDP-wrapped model)."""
+        return [m.module for m in self.model]
+
+    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = True) -> dict:
+        """{"logprobs": [B, T], "entropy": [B, T]} of the response tokens on every rank."""
+        return lp.compute_logprobs(self.model, batch, max_tokens=self.cfg.max_tokens_per_microbatch,
+                                   vocab_size=self.vocab_size, temperature=self.temperature,
+                                   with_entropy=with_entropy)
+
+    def update(self, batch: RolloutBatch) -> dict:
+        """ppo_epochs x mini-batches of ppo_mini_batch_size * n responses; one optimizer step each."""
+        if batch.old_logprobs is None or batch.advantages is None:
+            raise ValueError("Actor.update needs batch.old_logprobs (from compute_logprobs) and batch.advantages")
+        if self.cfg.use_kl_loss and batch.ref_logprobs is None:
+            raise ValueError("actor.use_kl_loss is on but batch.ref_logprobs is None; compute them with the "
+                             "reference model or set actor.use_kl_loss=false")
+        start = time.perf_counter()
+        self.scheduler.step(1)  # warm-up counts RL steps; step 1 trains with lr / warmup, not 0
+        mini = self.cfg.ppo_mini_batch_size * self.n
+        steps = []
+        for _ in range(self.cfg.ppo_epochs):
+            for s in range(0, len(batch), mini):
+                steps.append(self._train_minibatch(batch.select(list(range(s, min(s + mini, len(batch)))))))
+        tokens = sum(mb.sequence_lengths(batch)) * self.cfg.ppo_epochs
+        metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
+        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
+        metrics["actor/tokens_per_s"] = tokens / (time.perf_counter() - start)
+        return metrics
+
+    def _train_minibatch(self, batch: RolloutBatch) -> dict:
+        counts = loss_normalizer_counts(batch.loss_mask)  # every rank holds the whole mini-batch
+        _, plan = lp.plan_for_rank(batch, self.cfg.max_tokens_per_microbatch)
+        micros = mb.materialize(batch, plan)
+        for chunk in self.model:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        results = lp.forward_backward(self.model, micros, lambda m, out: self._loss(counts, m, out),
+                                      forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
+        totals = self._reduce_metrics(results)
+        out = {f"actor/{k}": totals[k] for k in _SUMMED if k != "kl_loss" or self.cfg.use_kl_loss}
+        for k in _TOKEN_WEIGHTED:
+            if not k.startswith("tis") or self.cfg.tis_cap is not None:
+                out[f"actor/{k}"] = totals[k] / max(totals["tokens"], 1.0)
+        out["actor/grad_norm"] = float(grad_norm)
+        return out
+
+    def _loss(self, counts: tuple[int, int], micro: mb.MicroBatch, output: torch.Tensor):
+        """Loss of one micro-batch as its share of the mini-batch loss; returns Megatron's
+        (loss, token count, metrics) triple."""
+        cfg, f = self.cfg, micro.fields
+        dev = output.device
+        mask = micro.loss_mask.to(dev)  # [b, T]
+        tok_lp, tok_ent = lp.token_logprobs(output, micro.labels.to(dev), self.vocab_size,
+                                            temperature=self.temperature, with_entropy=True,
+                                            entropy_grad=cfg.entropy_coeff != 0)
+        logprobs, entropy = lp.response_aligned(tok_lp, micro), lp.response_aligned(tok_ent, micro)  # [b, T]
+        glob = dict(global_token_count=counts[0], global_seq_count=counts[1])
+        rollout = f.get("rollout_logprobs")
+        pg_loss, m = compute_policy_loss(
+            f["old_logprobs"].to(dev), logprobs, f["advantages"].to(dev), mask,
+            clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
+            loss_agg_mode=cfg.loss_agg_mode, rollout_logprobs=None if rollout is None else rollout.to(dev),
+            tis_cap=cfg.tis_cap, **glob)
+        ent_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **glob)
+        loss = pg_loss - cfg.entropy_coeff * ent_loss
+        ntok = mask.sum()
+        data = {k: float(m[k]) * float(ntok) for k in _TOKEN_WEIGHTED if k in m}  # m is detached
+        data.update(pg_loss=float(pg_loss.detach()), entropy=float(ent_loss.detach()), tokens=float(ntok))
+        if cfg.use_kl_loss:
+            kl = kl_penalty(logprobs, f["ref_logprobs"].to(dev), cfg.kl_loss_type)  # [b, T]
+            kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **glob)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            data["kl_loss"] = float(kl_loss.detach())
+        return loss, ntok.to(torch.int), data
+
+    def _reduce_metrics(self, results: list) -> dict:
+        """Sum micro-batch metrics over this rank and DP; the last pipeline stage broadcasts."""
+        from megatron.core import parallel_state as mpu
+        vec = torch.tensor([sum(r.get(k, 0.0) for r in results) for k in _KEYS], dtype=torch.float64)
+        dev = next(self.model[0].parameters()).device
+        vec = vec.to(dev)
+        dist.all_reduce(vec, group=mpu.get_data_parallel_group())
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            dist.broadcast(vec, src=mpu.get_pipeline_model_parallel_last_rank(),
+                           group=mpu.get_pipeline_model_parallel_group())
+        return dict(zip(_KEYS, vec.cpu().tolist()))

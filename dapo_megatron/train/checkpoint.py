@@ -1,0 +1,239 @@
+"""Actor checkpoints on Megatron's `dist_checkpointing`: model + optimizer + LR schedule + RNG +
+the driver's trainer state, published atomically.
+
+    <root>/step_<N>/         a dist checkpoint (torch_dist) + rng/rank_<r>.pt
+    <root>/latest            the name of the newest complete step folder, written last
+
+A save writes into `<root>/.tmp-step_<N>`, renames it to `step_<N>` when every rank is done,
+then replaces `latest` (write + rename), then prunes to the newest `keep` folders. A process
+killed anywhere in between leaves the previous checkpoint and `latest` untouched.
+
+Model weights reshard on load to any TP / PP / EP layout. The distributed optimizer's state is
+saved in the `fully_reshardable` format; megatron-core 0.16.1 reloads it at the same layout and
+across TP / PP changes, but not across EP changes: that load stops with a message naming
+`load_optimizer=False`, which restores the weights, schedule and trainer state only.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+
+_OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+_PREFIX = "step_"
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"{_PREFIX}{step}")
+
+
+def latest_checkpoint(root: str) -> str | None:
+    """The folder `latest` names, or None when there is no complete checkpoint."""
+    try:
+        with open(os.path.join(root, "latest")) as f:
+            name = f.read().strip()
+    except FileNotFoundError:
+        return None
+    path = os.path.join(root, name)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{root}/latest names {name!r}, which does not exist")
+    return path
+
+
+def resolve_resume(resume_mode: str, root: str) -> str | None:
+    """trainer.resume_mode -> the checkpoint folder to load, or None to start fresh.
+
+    auto: the newest checkpoint under `root` if any; disable: none; otherwise a step folder path.
+    """
+    if resume_mode == "disable":
+        return None
+    if resume_mode == "auto":
+        return latest_checkpoint(root)
+    if not os.path.isdir(resume_mode):
+        raise FileNotFoundError(f"trainer.resume_mode={resume_mode!r} is not a checkpoint folder; "
+                                "use auto, disable or the path of a step_<N> folder")
+    return resume_mode
+
+
+def _layout(actor) -> dict:
+    p = actor.cfg.parallel
+    return dict(tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, world=dist.get_world_size(),
+                distributed_optimizer=actor.cfg.optim.use_distributed_optimizer)
+
+
+def _sharded_state_dict(actor, *, is_loading: bool, with_optimizer: bool) -> dict:
+    chunks = actor.chunks
+    if len(chunks) == 1:
+        sd = {"model": chunks[0].sharded_state_dict()}
+    else:  # VPP: one entry per virtual stage, as Megatron-LM names them
+        sd = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+    if with_optimizer:
+        _init_optimizer_state(actor.optimizer)  # no-op once the optimizer has stepped
+        model_sd = {k: v for key in sd for k, v in sd[key].items()} if len(chunks) > 1 else sd["model"]
+        sd["optimizer"] = actor.optimizer.sharded_state_dict(model_sd, is_loading=is_loading,
+                                                            metadata=_OPTIM_METADATA)
+    return sd
+
+
+def _torch_optimizers(optimizer) -> list:
+    """The torch optimizers inside a Megatron (chained) optimizer."""
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [o.optimizer for o in inner if getattr(o, "optimizer", None) is not None]
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Give a fresh optimizer zero Adam state with a `step` (what torch Adam would create on its
+    first step): 0.16.1's DistributedOptimizer state_dict() asserts one common step and fails on
+    an optimizer that has not stepped yet (a load template, a save right after a weights-only
+    load)."""
+    for opt in _torch_optimizers(optimizer):
+        for group in opt.param_groups:
+            for p in group["params"]:
+                if len(opt.state[p]) == 0:
+                    opt.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
+                                        step=torch.zeros((), dtype=torch.float32))
+
+
+def _unshare_steps(optimizer) -> None:
+    """0.16.1's load gives every param the same `step` tensor; torch Adam increments it in place
+    once per param, so the bias correction drifts (seen: resumed loss off by 1.1e-3)."""
+    for opt in _torch_optimizers(optimizer):
+        for state in opt.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+
+
+def _load_optimizer(optimizer, state) -> None:
+    """optimizer.load_state_dict, split so that torch Adam's per-param `step` survives.
+
+    0.16.1's fully_reshardable loader copies every per-param state entry from the checkpoint,
+    which has no `step` (KeyError: 'step'): load the param groups (and the common step) first,
+    then the moments with `step` set aside, then put the steps back.
+    """
+    inner = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = [state] if len(inner) == 1 else [v for _, v in sorted(state.items())]
+    if len(states) != len(inner):
+        raise ValueError(f"the checkpoint has {len(states)} optimizer states, this actor {len(inner)}; "
+                         "load with load_optimizer=False")
+    for opt, st in zip(inner, states):
+        param_state = st.pop("param_state", None)
+        kind = st.pop("param_state_sharding_type", None)
+        opt.load_state_dict(st)
+        if param_state is None:
+            continue
+        if kind != "fully_reshardable":
+            raise ValueError(f"unsupported optimizer checkpoint format {kind!r}")
+        steps = {p: s.pop("step") for p, s in opt.optimizer.state.items() if "step" in s}
+        opt.load_parameter_state_from_fully_reshardable(param_state)
+        for p, step in steps.items():
+            opt.optimizer.state[p]["step"] = step
+
+
+def _rng_state() -> dict:
+    import random
+    from megatron.core import tensor_parallel
+    from dapo_megatron.device import get_device
+    return {"python": random.getstate(), "device": get_device().rng_state(),
+            "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict) -> None:
+    import random
+    from megatron.core import tensor_parallel
+    from dapo_megatron.device import get_device
+    random.setstate(state["python"])
+    get_device().set_rng_state(state["device"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _prune(root: str, keep: int, protect: str) -> None:
+    steps = sorted((int(n[len(_PREFIX):]), n) for n in os.listdir(root)
+                   if n.startswith(_PREFIX) and n[len(_PREFIX):].isdigit())
+    for _, name in steps[:-keep] if keep > 0 else []:
+        if name != protect:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def save_checkpoint(actor, root: str, step: int, trainer_state: dict, *, keep: int = 2) -> str:
+    """Save the actor and `trainer_state` as `<root>/step_<step>`; collective over all ranks.
+
+    `keep` (trainer.max_checkpoints_to_keep) newest step folders are kept; <= 0 keeps all.
+    """
+    from megatron.core import dist_checkpointing
+    rank = dist.get_rank()
+    final, tmp = step_dir(root, step), os.path.join(root, f".tmp-{_PREFIX}{step}")
+    if rank == 0:
+        os.makedirs(root, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
+        os.makedirs(tmp)
+    dist.barrier()
+    sd = _sharded_state_dict(actor, is_loading=False, with_optimizer=True)
+    sd.update(scheduler=actor.scheduler.state_dict(), trainer=trainer_state, layout=_layout(actor))
+    dist_checkpointing.save(sd, tmp)
+    os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
+    torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
+    dist.barrier()  # every rank has written its shards: the folder is complete
+    if rank == 0:
+        _publish(tmp, final)
+        _write_atomic(os.path.join(root, "latest"), os.path.basename(final))
+        _prune(root, keep, protect=os.path.basename(final))
+    dist.barrier()
+    return final
+
+
+def _publish(tmp: str, final: str) -> None:
+    """Rename the finished temp folder into place (an existing folder of that step is replaced)."""
+    if os.path.exists(final):
+        old = f"{final}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+
+
+def _check_optimizer_layout(saved: dict, now: dict, path: str) -> None:
+    if saved["ep"] != now["ep"] or saved["distributed_optimizer"] != now["distributed_optimizer"]:
+        raise ValueError(
+            f"cannot restore the optimizer state of {path}: it was saved with ep={saved['ep']}, "
+            f"distributed_optimizer={saved['distributed_optimizer']} and this run has ep={now['ep']}, "
+            f"distributed_optimizer={now['distributed_optimizer']} (megatron-core 0.16.1 cannot reshard "
+            "optimizer state across expert-parallel sizes or optimizer kinds). Load with "
+            "load_optimizer=False to restore the model weights, LR schedule and trainer state only "
+            "(Adam moments restart from zero), or resume with the saved layout.")
+
+
+def load_checkpoint(actor, path: str, *, load_optimizer: bool = True) -> dict:
+    """Load `path` into the actor (resharding the weights to this layout); returns the trainer
+    state saved with it. With `load_optimizer=False` the optimizer keeps its fresh state."""
+    from megatron.core import dist_checkpointing
+    common = dist_checkpointing.load_common_state_dict(path)
+    if load_optimizer:
+        _check_optimizer_layout(common["layout"], _layout(actor), path)
+    template = _sharded_state_dict(actor, is_loading=True, with_optimizer=load_optimizer)
+    state = dist_checkpointing.load(template, path)
+    chunks = actor.chunks
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state["model"] if len(chunks) == 1 else state[f"model{i}"])
+    if load_optimizer:
+        _load_optimizer(actor.optimizer, state["optimizer"])
+        _unshare_steps(actor.optimizer)
+    else:  # fp32 main params (bf16 / fp16 models) must follow the loaded weights
+        actor.optimizer.reload_model_params()
+    actor.scheduler.load_state_dict(common["scheduler"])
+    rng = os.path.join(path, "rng", f"rank_{dist.get_rank()}.pt")
+    if common["layout"]["world"] == dist.get_world_size() and os.path.exists(rng):
+        _set_rng_state(torch.load(rng, weights_only=False))
+    return common["trainer"]

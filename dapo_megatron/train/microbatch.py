@@ -1,0 +1,145 @@
+"""Dynamic batch size: split a RolloutBatch over DP ranks, then into micro-batches by a token budget.
+
+Sequences are prompt + response, right-padded inside a micro-batch only (causal attention never
+looks at the padding to its right). Micro-batch tensors are laid out for the trainer:
+
+    tokens        [b, S]  prompt + response ids, S a multiple of `seq_multiple` (TP, for SP)
+    labels        [b, S]  tokens shifted left (labels[:, t] = tokens[:, t + 1])
+    per-token     [b, T]  response-aligned, T = the batch's response width (same in every
+                          micro-batch, so seq-mean-token-sum-norm divides by one constant)
+
+Every function here is a pure function of the batch, so every rank of a pipeline / TP group
+computes the same plan without communication; only `harmonize` talks to other ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from dapo_megatron.batch import RolloutBatch
+
+_PER_TOKEN = ("old_logprobs", "ref_logprobs", "advantages", "rollout_logprobs")
+
+
+def sequence_lengths(batch: RolloutBatch) -> list[int]:
+    """prompt + response length of every sample."""
+    return [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
+
+
+def split_for_dp(lengths: list[int], dp: int) -> list[list[int]]:
+    """Balanced, deterministic split of sample indices over `dp` ranks (longest first to the
+    least-loaded rank); each rank's list is sorted so results keep the input order."""
+    loads, shares = [0] * dp, [[] for _ in range(dp)]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        rank = min(range(dp), key=lambda r: (loads[r], len(shares[r]), r))
+        loads[rank] += lengths[i]
+        shares[rank].append(i)
+    return [sorted(s) for s in shares]
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def token_bins(lengths: list[int], max_tokens: int, seq_multiple: int = 1) -> list[list[int]]:
+    """Group indices into micro-batches whose padded size rows * padded_len <= max_tokens.
+
+    Sorted longest first, so a bin's first sequence sets its padded length; a sequence longer
+    than the budget gets a bin of its own. Returns positions into `lengths`.
+    """
+    bins: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        if bins and (len(bins[-1]) + 1) * round_up(lengths[bins[-1][0]], seq_multiple) <= max_tokens:
+            bins[-1].append(i)
+        else:
+            bins.append([i])
+    return bins
+
+
+@dataclass
+class MicroBatch:
+    index: list[int]  # row -> sample index in the full batch; -1 for a padding row
+    tokens: torch.Tensor  # [b, S] long
+    labels: torch.Tensor  # [b, S] long
+    prompt_lens: torch.Tensor  # [b] long
+    loss_mask: torch.Tensor  # [b, T] float (0 on padding rows / positions)
+    fields: dict = field(default_factory=dict)  # name -> [b, T] (old_logprobs, advantages, ...)
+
+    @property
+    def position_ids(self) -> torch.Tensor:  # [b, S]
+        return torch.arange(self.tokens.shape[1]).expand_as(self.tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Real (unpadded) prompt + response tokens."""
+        return int(self.prompt_lens.sum()) + int(self.loss_mask.sum())
+
+
+def build_microbatch(batch: RolloutBatch, index: list[int], rows: int, seq_len: int,
+                     width: int) -> MicroBatch:
+    """Pack samples `index` into [rows, seq_len] (extra rows are padding), per-token fields
+    [rows, width]."""
+    tokens = torch.zeros(rows, seq_len, dtype=torch.long)  # [b, S]
+    prompt_lens = torch.zeros(rows, dtype=torch.long)  # [b]
+    loss_mask = torch.zeros(rows, width)  # [b, T]
+    fields = {name: torch.zeros(rows, width) for name in _PER_TOKEN if getattr(batch, name) is not None}
+    for row, i in enumerate(index):
+        p, r = batch.prompts[i], batch.responses[i]
+        tokens[row, : len(p)] = p
+        tokens[row, len(p): len(p) + len(r)] = r
+        prompt_lens[row] = len(p)
+        loss_mask[row, : len(r)] = 1.0
+        for name, out in fields.items():
+            src = getattr(batch, name)[i]
+            n = min(len(src), width)
+            out[row, :n] = src[:n].float()
+    labels = torch.roll(tokens, -1, dims=1)  # [b, S]; the wrapped last column is never used
+    return MicroBatch(index + [-1] * (rows - len(index)), tokens, labels, prompt_lens, loss_mask, fields)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """This DP rank's micro-batches: sample indices and their padded shapes (rows, seq_len)."""
+    bins: list[list[int]]
+    shapes: list[tuple[int, int]]
+
+
+def plan_microbatches(batch: RolloutBatch, share: list[int], max_tokens: int, seq_multiple: int) -> Plan:
+    """Token-budget bins of the samples in `share` (indices into the full batch)."""
+    lengths = sequence_lengths(batch)
+    local = [lengths[i] for i in share]
+    bins = [[share[j] for j in b] for b in token_bins(local, max_tokens, seq_multiple)]
+    shapes = [(len(b), round_up(max(lengths[i] for i in b), seq_multiple)) for b in bins]
+    return Plan(bins, shapes)
+
+
+def harmonize(plan: Plan, group, *, min_count: int = 0, count_multiple: int = 1,
+              seq_multiple: int = 1) -> Plan:
+    """Give every rank of `group` the same number of micro-batches and the same shape per
+    micro-batch (MAX over the group; padding rows/micro-batches carry no loss).
+
+    Needed when ranks of different DP shares meet inside the forward (EP token dispatch is a
+    collective over ranks that hold different data) and for the interleaved schedule, which
+    needs a micro-batch count >= PP. `group=None` skips the communication.
+    """
+    import torch.distributed as dist
+    count = max(len(plan.bins), min_count)
+    if group is not None:
+        n = torch.tensor([count])
+        dist.all_reduce(n, op=dist.ReduceOp.MAX, group=group)
+        count = int(n)
+    count = round_up(max(count, 1), count_multiple)
+    shapes = torch.ones(count, 2, dtype=torch.long) * torch.tensor([1, seq_multiple])  # [M, 2]
+    if plan.shapes:
+        shapes[: len(plan.shapes)] = torch.maximum(shapes[: len(plan.shapes)], torch.tensor(plan.shapes))
+    if group is not None:
+        dist.all_reduce(shapes, op=dist.ReduceOp.MAX, group=group)
+    bins = plan.bins + [[] for _ in range(count - len(plan.bins))]
+    return Plan(bins, [tuple(s) for s in shapes.tolist()])
+
+
+def materialize(batch: RolloutBatch, plan: Plan, width: Optional[int] = None) -> list[MicroBatch]:
+    width = width or batch.loss_mask.shape[1]
+    return [build_microbatch(batch, b, rows, seq, width) for b, (rows, seq) in zip(plan.bins, plan.shapes)]

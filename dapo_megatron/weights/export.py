@@ -1,0 +1,107 @@
+"""Export sharded Megatron model chunks as full HF tensors, in buckets: the weight-sync source.
+
+`export_hf` is a generator and a collective: every rank of the model must iterate it to the
+end, in step, because tensors are gathered over TP (and experts over expert-TP / EP) on the way.
+
+Which rank yields what:
+- every rank yields the tensors of its own pipeline stage (all of its VPP chunks), with global
+  layer ids; the embedding on the first stage, final norm and lm_head on the last;
+- non-expert tensors are all-gathered over TP, so every TP rank (and DP replica) yields the same
+  full tensors;
+- experts="gather": experts are gathered over expert-TP and EP, every rank yields all experts of
+  its stage; experts="owner": gathered over expert-TP only, each EP rank yields just its own
+  experts (with global ids), for transports that route each expert to its rollout owner.
+Tensors stay on the parameters' device and dtype; vocab padding is trimmed; a tied lm_head is
+not yielded (HF ties it to embed_tokens).
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from dapo_megatron.weights import reshape
+from dapo_megatron.weights.load import chunk_geometry, param_maps, tp_split
+
+
+def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
+    if size == 1:
+        return [tensor]
+    out = [torch.empty_like(tensor) for _ in range(size)]
+    dist.all_gather(out, tensor.contiguous(), group=group)
+    return out
+
+
+def _to_hf(pm, shards: list[torch.Tensor], dim, geo) -> dict[str, torch.Tensor]:
+    """TP shards of one Megatron parameter -> {hf_name: full HF tensor}."""
+    if pm.kind == "copy":
+        full = shards[0] if dim is None else torch.cat(shards, dim=dim)
+        if pm.is_vocab:
+            full = reshape.trim_vocab(full, geo["vocab_size"])
+        return {pm.hf_names[None]: full}
+    if pm.kind == "qkv":
+        local_groups = geo["groups"] // len(shards)
+        per_shard = [reshape.qkv_from_mcore(s, local_groups, geo["head_dim"]) for s in shards]
+    else:
+        per_shard = [reshape.gate_up_from_mcore(s) for s in shards]
+    parts = [torch.cat(p, dim=0) for p in zip(*per_shard)]  # q, k, v  or  gate, up
+    names = ("q", "k", "v") if pm.kind == "qkv" else ("gate", "up")
+    return {pm.hf_names[n]: t for n, t in zip(names, parts)}
+
+
+def _groups():
+    from megatron.core import parallel_state as mpu
+    return dict(tp=mpu.get_tensor_model_parallel_group(), etp=mpu.get_expert_tensor_parallel_group(),
+                ep=mpu.get_expert_model_parallel_group())
+
+
+def _expert_over_ep(pm, tensors: dict, geo, group) -> dict[str, torch.Tensor]:
+    """One local expert's HF tensors -> the same expert slot of every EP rank, with global ids."""
+    out = {}
+    for name, t in tensors.items():
+        gathered = _all_gather(t, group, geo["ep"])
+        for ep_rank, g in enumerate(gathered):
+            out[_rename_expert(name, pm, geo, ep_rank)] = g
+    return out
+
+
+def _rename_expert(hf_name: str, pm, geo, ep_rank: int) -> str:
+    """The HF name of the same local expert slot on another EP rank."""
+    from dapo_megatron.weights.name_map import split_ids
+    _, _, local = split_ids(pm.mcore_name)
+    mine = reshape.global_expert_id(local, geo["ep_rank"], geo["experts_per_rank"])
+    theirs = reshape.global_expert_id(local, ep_rank, geo["experts_per_rank"])
+    return hf_name.replace(f".experts.{mine}.", f".experts.{theirs}.", 1)
+
+
+def iter_hf_tensors(model_chunks, experts: str = "gather") -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, full tensor) one at a time; see the module docstring for who yields what."""
+    if experts not in ("gather", "owner"):
+        raise ValueError(f"experts must be 'gather' or 'owner', got {experts!r}")
+    groups = _groups()
+    for chunk in model_chunks:
+        geo = chunk_geometry(chunk)
+        for pm, param in param_maps(chunk, geo):
+            if geo["tied"] and pm.mcore_name == "output_layer.weight":
+                continue  # the last stage's copy of the tied embedding
+            dim, size, _ = tp_split(param, pm, geo)
+            shards = _all_gather(param.data, groups["etp" if pm.is_expert else "tp"], size)
+            tensors = _to_hf(pm, shards, dim, geo)
+            if pm.is_expert and experts == "gather":
+                tensors = _expert_over_ep(pm, tensors, geo, groups["ep"])
+            yield from tensors.items()
+
+
+def export_hf(model_chunks, bucket_bytes: int = 1 << 30,
+              experts: str = "gather") -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets (lists) of (hf_name, full tensor) of about `bucket_bytes` each; a collective."""
+    bucket, size = [], 0
+    for name, tensor in iter_hf_tensors(model_chunks, experts):
+        bucket.append((name, tensor))
+        size += tensor.numel() * tensor.element_size()
+        if size >= bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+    if bucket:
+        yield bucket

@@ -1,0 +1,200 @@
+"""HF <-> Megatron-Core parameter names, as tables.
+
+Each row maps an HF name template to a Megatron one (`{}`: layer id, then expert id). A tuple
+`(megatron_name, part)` says the HF tensor is one part of a fused Megatron tensor: q/k/v of
+`linear_qkv`, gate/up of `linear_fc1`; `reshape.py` does the fusing. Megatron names are those
+of the local (torch) layer spec; `TE_ALIASES` renames the norms Transformer Engine fuses.
+Layer and expert ids in the tables are global; `resolve` maps a rank's local ids to them.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+BASE = {
+    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
+    "model.norm.weight": "decoder.final_layernorm.weight",
+    "lm_head.weight": "output_layer.weight",
+    "model.layers.{}.input_layernorm.weight": "decoder.layers.{}.input_layernorm.weight",
+    "model.layers.{}.self_attn.q_proj.weight": ("decoder.layers.{}.self_attention.linear_qkv.weight", "q"),
+    "model.layers.{}.self_attn.k_proj.weight": ("decoder.layers.{}.self_attention.linear_qkv.weight", "k"),
+    "model.layers.{}.self_attn.v_proj.weight": ("decoder.layers.{}.self_attention.linear_qkv.weight", "v"),
+    "model.layers.{}.self_attn.o_proj.weight": "decoder.layers.{}.self_attention.linear_proj.weight",
+    "model.layers.{}.post_attention_layernorm.weight": "decoder.layers.{}.pre_mlp_layernorm.weight",
+}
+QKV_BIAS = {
+    "model.layers.{}.self_attn.q_proj.bias": ("decoder.layers.{}.self_attention.linear_qkv.bias", "q"),
+    "model.layers.{}.self_attn.k_proj.bias": ("decoder.layers.{}.self_attention.linear_qkv.bias", "k"),
+    "model.layers.{}.self_attn.v_proj.bias": ("decoder.layers.{}.self_attention.linear_qkv.bias", "v"),
+}
+QK_NORM = {
+    "model.layers.{}.self_attn.q_norm.weight": "decoder.layers.{}.self_attention.q_layernorm.weight",
+    "model.layers.{}.self_attn.k_norm.weight": "decoder.layers.{}.self_attention.k_layernorm.weight",
+}
+DENSE_MLP = {
+    "model.layers.{}.mlp.gate_proj.weight": ("decoder.layers.{}.mlp.linear_fc1.weight", "gate"),
+    "model.layers.{}.mlp.up_proj.weight": ("decoder.layers.{}.mlp.linear_fc1.weight", "up"),
+    "model.layers.{}.mlp.down_proj.weight": "decoder.layers.{}.mlp.linear_fc2.weight",
+}
+MOE_MLP = {
+    "model.layers.{}.mlp.gate.weight": "decoder.layers.{}.mlp.router.weight",
+    "model.layers.{}.mlp.experts.{}.gate_proj.weight":
+        ("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc1.weight", "gate"),
+    "model.layers.{}.mlp.experts.{}.up_proj.weight":
+        ("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc1.weight", "up"),
+    "model.layers.{}.mlp.experts.{}.down_proj.weight":
+        "decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight",
+}
+HF_TO_MCORE = {
+    "qwen2": {**BASE, **QKV_BIAS, **DENSE_MLP},
+    "qwen3": {**BASE, **QK_NORM, **DENSE_MLP},
+    "qwen3_moe": {**BASE, **QK_NORM, **MOE_MLP},
+}
+# Transformer Engine's spec fuses the pre-attention / dense pre-MLP norms into the next linear.
+TE_ALIASES = {
+    "decoder.layers.{}.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.{}.input_layernorm.weight",
+    "decoder.layers.{}.mlp.linear_fc1.layer_norm_weight": "decoder.layers.{}.pre_mlp_layernorm.weight",
+}
+# Megatron's TP sharding per parameter: the dim split over (expert-)TP ranks; absent: replicated.
+# Column-parallel layers split their output rows (0), row-parallel ones their input columns (1).
+# Kept as data rather than read from param attributes: Megatron 0.16 only sets those attributes
+# when it initialises the weights (`perform_initialization=True`).
+TP_DIM = {
+    "embedding.word_embeddings.weight": 0,
+    "output_layer.weight": 0,
+    "decoder.layers.{}.self_attention.linear_qkv.weight": 0,
+    "decoder.layers.{}.self_attention.linear_qkv.bias": 0,
+    "decoder.layers.{}.self_attention.linear_proj.weight": 1,
+    "decoder.layers.{}.mlp.linear_fc1.weight": 0,
+    "decoder.layers.{}.mlp.linear_fc2.weight": 1,
+    "decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc1.weight": 0,
+    "decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight": 1,
+}
+# Fused Megatron tensors: the order of their HF parts.
+FUSED_PARTS = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
+_PART_KIND = {"q": "qkv", "k": "qkv", "v": "qkv", "gate": "gate_up", "up": "gate_up"}
+VOCAB_PARAMS = ("embedding.word_embeddings.weight", "output_layer.weight")
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
+
+
+@dataclass
+class ParamMap:
+    """Where one Megatron parameter comes from in HF: its HF names by part, and how it is fused."""
+    mcore_name: str  # the rank-local Megatron name
+    kind: str  # copy | qkv | gate_up
+    hf_names: dict = field(default_factory=dict)  # part -> HF name (part None for kind copy)
+    is_expert: bool = False
+    is_vocab: bool = False
+    tp_dim: int | None = None  # dim split over TP (expert-TP for experts); None: replicated
+
+
+def _table(model_type: str) -> dict:
+    if model_type not in HF_TO_MCORE:
+        raise ValueError(f"no weight name table for model_type {model_type!r}; have {sorted(HF_TO_MCORE)}")
+    return HF_TO_MCORE[model_type]
+
+
+def mcore_to_hf_table(model_type: str) -> dict:
+    """Inverse table: Megatron template -> (kind, {part: HF template})."""
+    inverse: dict = {}
+    for hf_name, target in _table(model_type).items():
+        mcore, part = target if isinstance(target, tuple) else (target, None)
+        kind = _PART_KIND[part] if part else "copy"
+        inverse.setdefault(mcore, (kind, {}))[1][part] = hf_name
+    return inverse
+
+
+def split_ids(mcore_name: str) -> tuple[str, int | None, int | None]:
+    """'decoder.layers.3.mlp.experts.local_experts.1.x' -> ('decoder.layers.{}...local_experts.{}.x', 3, 1)."""
+    layer = expert = None
+    m = _LAYER.match(mcore_name)
+    if m:
+        layer = int(m.group(1))
+        mcore_name = _LAYER.sub("decoder.layers.{}.", mcore_name, count=1)
+    m = _EXPERT.search(mcore_name)
+    if m:
+        expert = int(m.group(1))
+        mcore_name = _EXPERT.sub(".local_experts.{}.", mcore_name, count=1)
+    return mcore_name, layer, expert
+
+
+def resolve(mcore_name: str, model_type: str, *, global_layer: dict, expert_offset: int,
+            tied: bool) -> ParamMap:
+    """The HF source of a rank-local Megatron parameter (layer / expert ids made global).
+
+    `global_layer`: local layer index -> global layer id of this chunk; `expert_offset`:
+    experts_per_rank * ep_rank. Raises KeyError naming the parameter when no table row matches.
+    """
+    template, layer, expert = split_ids(mcore_name)
+    template = TE_ALIASES.get(template, template)
+    row = mcore_to_hf_table(model_type).get(template)
+    if row is None:
+        raise KeyError(f"Megatron parameter {mcore_name!r} has no HF name in the {model_type} table")
+    kind, parts = row
+    ids = [i for i in (global_layer[layer] if layer is not None else None,
+                       expert + expert_offset if expert is not None else None) if i is not None]
+    hf_names = {part: hf.format(*ids) for part, hf in parts.items()}
+    if tied and template == "output_layer.weight":  # the last PP stage's copy of the embedding
+        hf_names = {None: "model.embed_tokens.weight"}
+    return ParamMap(mcore_name, kind, hf_names, is_expert=expert is not None,
+                    is_vocab=template in VOCAB_PARAMS, tp_dim=TP_DIM.get(template))
+
+
+def expected_hf_names(model_type: str, num_layers: int, num_experts: int, tied: bool) -> set[str]:
+    """Every tensor name a complete HF checkpoint of this architecture holds."""
+    names = set()
+    for hf in _table(model_type):
+        if tied and hf == "lm_head.weight":
+            continue
+        n = hf.count("{}")
+        if n == 0:
+            names.add(hf)
+        elif n == 1:
+            names.update(hf.format(l) for l in range(num_layers))
+        else:
+            names.update(hf.format(l, e) for l in range(num_layers) for e in range(num_experts))
+    return names
+
+
+# Full HF shape of each tensor, in named dims of the config (see `_dims`); checked from the file
+# headers before any worker starts, so a misshapen tensor is reported by name up front.
+HF_SHAPES = {
+    "model.embed_tokens.weight": ("vocab", "hidden"),
+    "lm_head.weight": ("vocab", "hidden"),
+    "model.norm.weight": ("hidden",),
+    "model.layers.{}.input_layernorm.weight": ("hidden",),
+    "model.layers.{}.post_attention_layernorm.weight": ("hidden",),
+    "model.layers.{}.self_attn.q_proj.weight": ("q_dim", "hidden"),
+    "model.layers.{}.self_attn.k_proj.weight": ("kv_dim", "hidden"),
+    "model.layers.{}.self_attn.v_proj.weight": ("kv_dim", "hidden"),
+    "model.layers.{}.self_attn.q_proj.bias": ("q_dim",),
+    "model.layers.{}.self_attn.k_proj.bias": ("kv_dim",),
+    "model.layers.{}.self_attn.v_proj.bias": ("kv_dim",),
+    "model.layers.{}.self_attn.o_proj.weight": ("hidden", "q_dim"),
+    "model.layers.{}.self_attn.q_norm.weight": ("head_dim",),
+    "model.layers.{}.self_attn.k_norm.weight": ("head_dim",),
+    "model.layers.{}.mlp.gate_proj.weight": ("ffn", "hidden"),
+    "model.layers.{}.mlp.up_proj.weight": ("ffn", "hidden"),
+    "model.layers.{}.mlp.down_proj.weight": ("hidden", "ffn"),
+    "model.layers.{}.mlp.gate.weight": ("experts", "hidden"),
+    "model.layers.{}.mlp.experts.{}.gate_proj.weight": ("moe_ffn", "hidden"),
+    "model.layers.{}.mlp.experts.{}.up_proj.weight": ("moe_ffn", "hidden"),
+    "model.layers.{}.mlp.experts.{}.down_proj.weight": ("hidden", "moe_ffn"),
+}
+
+
+def _dims(hf) -> dict[str, int]:
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    return dict(vocab=hf.vocab_size, hidden=hf.hidden_size, head_dim=head_dim,
+                q_dim=hf.num_attention_heads * head_dim, kv_dim=hf.num_key_value_heads * head_dim,
+                ffn=hf.intermediate_size, experts=getattr(hf, "num_experts", 0) or 0,
+                moe_ffn=getattr(hf, "moe_intermediate_size", 0) or 0)
+
+
+def expected_hf_shapes(hf) -> dict[str, tuple[int, ...]]:
+    """{HF name: full shape} of every tensor a checkpoint with config `hf` holds."""
+    dims = _dims(hf)
+    names = expected_hf_names(hf.model_type, hf.num_hidden_layers, dims["experts"], bool(hf.tie_word_embeddings))
+    return {n: tuple(dims[d] for d in HF_SHAPES[re.sub(r"\.\d+\.", ".{}.", n)]) for n in names}

@@ -1,0 +1,174 @@
+"""Worker jobs for the actor / reference / checkpoint tests; each runs on every rank of a spawned
+gloo group (see `train.parallel.run_workers`). Several checks share one job per layout because a
+spawn costs seconds of imports.
+"""
+from __future__ import annotations
+
+import io
+import os
+
+import torch
+
+from dapo_megatron.batch import RolloutBatch
+from dapo_megatron.config.schema import ActorConfig, OptimConfig, ParallelConfig, RefConfig
+
+
+def pack(obj) -> bytes:
+    """Results go back as torch.save bytes: many tensors through the multiprocessing queue's
+    shared-memory path hung the parent (seen with ~100 exported tensors)."""
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def unpack(blob: bytes):
+    return torch.load(io.BytesIO(blob), weights_only=False)
+
+
+def make_batch(n_samples: int = 8, vocab: int = 509, seed: int = 0, max_prompt: int = 9,
+               max_response: int = 12) -> RolloutBatch:
+    """Ragged prompts / responses and per-sequence advantages (grouped by 2)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, vocab, (int(torch.randint(2, max_prompt + 1, (1,), generator=g)),), generator=g)
+               for _ in range(n_samples)]
+    responses = [torch.randint(0, vocab, (int(torch.randint(1, max_response + 1, (1,), generator=g)),), generator=g)
+                 for _ in range(n_samples)]
+    batch = RolloutBatch(prompts=prompts, responses=responses, group=torch.arange(n_samples) // 2,
+                         prompt_index=torch.arange(n_samples) // 2)
+    adv = torch.randn(n_samples, generator=g)  # [B]
+    batch.advantages = adv[:, None] * batch.loss_mask  # [B, T]
+    return batch
+
+
+def actor_config(parallel: dict, **over) -> ActorConfig:
+    # lr 1e-4: Adam's first step is ~lr * sign(grad), so fp noise on near-zero gradients moves a
+    # weight by up to 2 * lr between layouts; 1e-4 keeps that inside the 1e-5 comparison.
+    optim = OptimConfig(**{**dict(lr=1e-4, weight_decay=0.1, lr_warmup_steps=0, clip_grad=1.0),
+                           **over.pop("optim", {})})
+    kw = dict(ppo_mini_batch_size=4, ppo_epochs=1, max_tokens_per_microbatch=1 << 14, clip_ratio_c=3.0,
+              entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
+    kw.update(over)
+    return ActorConfig(parallel=ParallelConfig(**parallel), optim=optim, **kw)
+
+
+def perturbed_old(logprobs: torch.Tensor, seed: int = 1) -> torch.Tensor:
+    """old_logprobs = current + noise, so that ratios differ from 1 and the clips engage."""
+    g = torch.Generator().manual_seed(seed)
+    return logprobs + 0.3 * torch.randn(logprobs.shape, generator=g)
+
+
+def export_weights(chunks) -> dict:
+    from dapo_megatron.weights import export_hf
+    return {name: t.clone() for bucket in export_hf(chunks, bucket_bytes=1 << 20) for name, t in bucket}
+
+
+def logprob_job(hf_dirs: list[str], parallel: dict, batch: RolloutBatch, max_tokens: int, init: bool = True) -> list:
+    """Per model: actor log-probs + entropy and reference log-probs of `batch`."""
+    from dapo_megatron.train.actor import Actor
+    from dapo_megatron.train.parallel import init_parallel
+    from dapo_megatron.train.reference import Reference
+    if init:
+        init_parallel(ParallelConfig(**parallel))
+    out = []
+    for d in hf_dirs:
+        actor = Actor(actor_config(parallel, max_tokens_per_microbatch=max_tokens), d)
+        res = actor.compute_logprobs(batch)
+        ref = Reference(RefConfig(parallel=ParallelConfig(**parallel)), d, max_tokens_per_microbatch=max_tokens)
+        res["ref"] = ref.compute_logprobs(batch)
+        out.append(res)
+    return out
+
+
+def run_updates(hf_dir: str, parallel: dict, batch: RolloutBatch, over: dict, steps: int = 1) -> dict:
+    """`steps` updates from the HF weights; returns per-step metrics, the new log-probs and the
+    exported (HF-named) new weights of this rank."""
+    from dapo_megatron.train.actor import Actor
+    actor = Actor(actor_config(parallel, **dict(over)), hf_dir, n=2)
+    batch.old_logprobs = perturbed_old(actor.compute_logprobs(batch, with_entropy=False)["logprobs"])
+    batch.ref_logprobs = batch.old_logprobs - 0.05
+    metrics = [actor.update(batch) for _ in range(steps)]
+    return {"metrics": metrics, "logprobs": actor.compute_logprobs(batch)["logprobs"],
+            "weights": export_weights(actor.chunks)}
+
+
+def layout_job(hf_dirs: list[str], parallel: dict, batch: RolloutBatch, max_tokens: int,
+               update_dir: str | None, updates: list[dict]) -> dict:
+    """Everything one layout checks: log-probs of each model, then one update per entry of
+    `updates` (actor overrides) on `update_dir`."""
+    from dapo_megatron.train.parallel import init_parallel
+    init_parallel(ParallelConfig(**parallel))
+    out = {"logprobs": logprob_job(hf_dirs, parallel, batch, max_tokens, init=False)}
+    out["updates"] = [run_updates(update_dir, parallel, batch, over) for over in updates]
+    return pack(out)
+
+
+def _train_step(actor, step: int) -> dict:
+    """One RL step on batch `step` (a different batch per step, old log-probs recomputed)."""
+    batch = make_batch(seed=100 + step)
+    batch.old_logprobs = perturbed_old(actor.compute_logprobs(batch, with_entropy=False)["logprobs"], seed=step)
+    batch.ref_logprobs = batch.old_logprobs - 0.05
+    return actor.update(batch)
+
+
+def _crashing_save(real_save):
+    def save(*args, **kwargs):
+        real_save(*args, **kwargs)  # the shards are written into the temp folder...
+        raise RuntimeError("simulated crash during the save")  # ...and the process dies
+    return save
+
+
+def _exiting_save(real_save):
+    def save(*args, **kwargs):
+        real_save(*args, **kwargs)
+        os._exit(3)  # killed after writing the shards, before the rename and `latest`
+    return save
+
+
+RESUME_OPTIM = dict(lr=1e-3, lr_warmup_steps=2, lr_scheduler="cosine", min_lr=1e-4)
+
+
+def resume_job(hf_dir: str, parallel: dict, root: str, phase: str) -> bytes:
+    """phase "train": steps 1-2, save, step 3 (the uninterrupted reference), then a save of step
+    3 that crashes mid-write. phase "resume": fresh processes load `latest`, run step 3.
+    phase "reshard": load into this (different) layout, weights only, and compute log-probs."""
+    import megatron.core.dist_checkpointing as dcp
+    from dapo_megatron.train import checkpoint as ckpt
+    from dapo_megatron.train.actor import Actor
+    from dapo_megatron.train.parallel import init_parallel
+    init_parallel(ParallelConfig(**parallel))
+    actor = Actor(actor_config(parallel, optim=RESUME_OPTIM, max_tokens_per_microbatch=64), hf_dir, n=2,
+                  total_steps=6)
+    out = {}
+    if phase == "train":
+        out["metrics"] = [_train_step(actor, 1), _train_step(actor, 2)]
+        ckpt.save_checkpoint(actor, root, 2, {"step": 2, "sampler": [7, 8]}, keep=2)
+        out["logprobs_after_2"] = actor.compute_logprobs(make_batch(seed=0), with_entropy=False)["logprobs"]
+        out["metrics"].append(_train_step(actor, 3))
+        out["logprobs_after_3"] = actor.compute_logprobs(make_batch(seed=0), with_entropy=False)["logprobs"]
+        real, dcp.save = dcp.save, _crashing_save(dcp.save)
+        try:
+            ckpt.save_checkpoint(actor, root, 3, {"step": 3}, keep=2)
+        except RuntimeError as e:
+            out["crash"] = str(e)
+        finally:
+            dcp.save = real
+        return pack(out)
+    path = ckpt.resolve_resume("auto", root)
+    out["path"] = path
+    if phase == "resume":
+        out["trainer_state"] = ckpt.load_checkpoint(actor, path)
+        out["metrics"] = [_train_step(actor, 3)]
+        out["logprobs_after_3"] = actor.compute_logprobs(make_batch(seed=0), with_entropy=False)["logprobs"]
+        return pack(out)
+    try:
+        ckpt.load_checkpoint(actor, path)
+    except ValueError as e:
+        out["optimizer_error"] = str(e)
+    out["trainer_state"] = ckpt.load_checkpoint(actor, path, load_optimizer=False)
+    out["logprobs_after_2"] = actor.compute_logprobs(make_batch(seed=0), with_entropy=False)["logprobs"]
+    # Last: a save killed mid-write (os._exit, no clean-up runs). Results go to a file first.
+    with open(os.path.join(root, "reshard_result.pt"), "wb") as f:
+        f.write(pack(out))
+    dcp.save = _exiting_save(dcp.save)
+    ckpt.save_checkpoint(actor, root, 5, {"step": 5}, keep=1)
+    return pack({})  # not reached

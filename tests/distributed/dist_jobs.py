@@ -1,0 +1,64 @@
+"""Worker jobs for the distributed tests: each runs on every rank of a spawned gloo group.
+
+Several checks are grouped into one job per layout, because a spawn costs ~5-10 s of imports.
+"""
+from __future__ import annotations
+
+import torch
+
+from checkpoint_tools.verify import megatron_logits
+from dapo_megatron.config.schema import ParallelConfig
+
+
+def _build(hf_dir: str, dtype: str = "fp32"):
+    from dapo_megatron.models import build_model, load_hf_config
+    from dapo_megatron.weights import load_hf_checkpoint
+    chunks = build_model(load_hf_config(hf_dir), dtype=dtype, perform_initialization=False)
+    load_hf_checkpoint(chunks, hf_dir)
+    return chunks
+
+
+def _compare_export(chunks, hf_dir: str, experts: str = "gather") -> tuple[set, list]:
+    """Export and compare with the HF files: (names yielded, names not bit-identical)."""
+    from dapo_megatron.weights import HFCheckpoint, export_hf
+    ckpt = HFCheckpoint(hf_dir)
+    names, bad = set(), []
+    for bucket in export_hf(chunks, bucket_bytes=1 << 16, experts=experts):
+        for name, tensor in bucket:
+            if name in names:
+                bad.append(f"{name} yielded twice")
+            names.add(name)
+            ref = ckpt.read(name)
+            if ref.dtype != tensor.dtype or ref.shape != tensor.shape or not torch.equal(ref, tensor):
+                bad.append(name)
+    return names, bad
+
+
+def roundtrip_and_logits(hf_dirs: list[str], parallel: dict, tokens: torch.Tensor, bad_dir: str | None = None):
+    """Per HF dir: load -> export bit-exactness (both expert modes under EP) and the
+    full-vocab logits for the parity check done in the parent against HF transformers.
+    With `bad_dir`: the error every rank raises loading it into the first model."""
+    from dapo_megatron.train.parallel import init_parallel
+    info = init_parallel(ParallelConfig(**parallel))
+    results = []
+    for hf_dir in hf_dirs:
+        chunks = _build(hf_dir)
+        names, bad = _compare_export(chunks, hf_dir)
+        out = {"names": names, "bad": bad, "pp_rank": info.pp_rank}
+        if parallel.get("ep", 1) > 1:
+            out["owner_names"], out["owner_bad"] = _compare_export(chunks, hf_dir, experts="owner")
+        logits = megatron_logits(chunks, tokens)  # through the pipeline schedule, any PP
+        out["logits"] = None if logits is None else logits.clone()
+        results.append(out)
+        if bad_dir is not None and len(results) == 1:
+            out["bad_dir_error"] = _load_error(chunks, bad_dir)
+    return results
+
+
+def _load_error(chunks, hf_dir: str) -> str:
+    from dapo_megatron.weights import CheckpointError, load_hf_checkpoint
+    try:
+        load_hf_checkpoint(chunks, hf_dir)
+    except CheckpointError as e:
+        return str(e)
+    return "no error"

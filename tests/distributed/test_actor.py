@@ -1,0 +1,136 @@
+"""Actor / reference log-probs and the DAPO update agree across TP / PP / VPP / EP layouts, with
+HF transformers, and across micro-batch splits.
+
+One spawn per layout runs every check of that layout (a spawn costs ~5-10 s of imports); the
+results are cached per module and the tests below only compare.
+"""
+import pytest
+import torch
+
+from dapo_megatron.train import microbatch as mb
+from dapo_megatron.train.parallel import run_workers
+
+import actor_jobs
+
+pytestmark = pytest.mark.distributed
+
+LAYOUT_TOL = 1e-5  # fp32: Megatron layout vs TP1
+HF_TOL = 1e-4  # fp32: Megatron vs HF transformers
+MAX_TOKENS = 64  # several micro-batches per DP rank for the test batch
+# layout -> (parallel, world size, models for log-probs, train the MoE?)
+LAYOUTS = {
+    "tp1": (dict(), 1, ["moe", "qwen2_tied"], True),
+    "tp2": (dict(tp=2, etp=2), 2, ["moe", "qwen2_tied"], True),
+    "pp2": (dict(pp=2), 2, ["moe"], True),
+    "pp2vpp2": (dict(pp=2, vpp=2), 2, ["qwen2_tied"], False),
+    "ep2": (dict(ep=2), 2, ["moe"], True),
+    "tp2xep2": (dict(tp=2, ep=2), 4, ["moe"], True),
+}
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return actor_jobs.make_batch(n_samples=8)
+
+
+def four_bin_budget(batch) -> int:
+    """A token budget that splits the (single) mini-batch into exactly 4 micro-batches at TP1."""
+    lengths = mb.sequence_lengths(batch)
+    for budget in range(max(lengths), sum(lengths) * len(lengths)):
+        if len(mb.token_bins(lengths, budget)) == 4:
+            return budget
+    raise AssertionError("no budget gives 4 micro-batches")
+
+
+@pytest.fixture(scope="module")
+def results(tiny_hf_models, batch):
+    """Lazily run one spawn per layout; cached for the module."""
+    cache = {}
+
+    def get(layout):
+        if layout not in cache:
+            parallel, world, models, train = LAYOUTS[layout]
+            updates = [dict(max_tokens_per_microbatch=MAX_TOKENS)] if train else []
+            if layout == "tp1":  # 1 vs 4 micro-batches
+                updates += [dict(max_tokens_per_microbatch=1 << 14),
+                            dict(max_tokens_per_microbatch=four_bin_budget(batch))]
+            blobs = run_workers(actor_jobs.layout_job, world, [tiny_hf_models[m] for m in models], parallel,
+                                batch, MAX_TOKENS, tiny_hf_models["moe"], updates, timeout_s=300)
+            cache[layout] = [actor_jobs.unpack(b) for b in blobs]
+        return cache[layout]
+    return get
+
+
+def hf_logprobs(hf_dir: str, batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs, entropy) [B, T] of the responses under HF transformers, one sample at a time."""
+    from transformers import AutoModelForCausalLM
+    from dapo_megatron.algo import entropy_from_logits
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    lp, ent = torch.zeros(batch.loss_mask.shape), torch.zeros(batch.loss_mask.shape)
+    with torch.no_grad():
+        for i, (p, r) in enumerate(zip(batch.prompts, batch.responses)):
+            logits = model(torch.cat([p, r])[None]).logits[0, len(p) - 1: len(p) - 1 + len(r)]  # [R, V]
+            lp[i, : len(r)] = torch.log_softmax(logits, -1).gather(-1, r[:, None])[:, 0]
+            ent[i, : len(r)] = entropy_from_logits(logits)
+    return lp, ent
+
+
+@pytest.fixture(scope="module")
+def hf_reference(tiny_hf_models, batch):
+    return {name: hf_logprobs(tiny_hf_models[name], batch) for name in ("moe", "qwen2_tied")}
+
+
+def _maxdiff(a, b, mask=None):
+    d = (a - b).abs()
+    return (d * mask if mask is not None else d).max().item()
+
+
+def test_microbatch_plan_splits(batch):
+    assert len(mb.token_bins(mb.sequence_lengths(batch), MAX_TOKENS)) > 2
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_logprobs_match_tp1_and_hf(layout, batch, hf_reference, results):
+    _, _, models, _ = LAYOUTS[layout]
+    per_rank, base = results(layout), results("tp1")[0]
+    mask = batch.loss_mask
+    for i, model in enumerate(models):
+        ref_lp, ref_ent = hf_reference[model]
+        tp1 = base["logprobs"][LAYOUTS["tp1"][2].index(model)]
+        for rank, res in enumerate(per_rank):  # every rank returns the full result
+            got = res["logprobs"][i]
+            assert got["logprobs"].shape == mask.shape
+            assert _maxdiff(got["logprobs"], ref_lp, mask) <= HF_TOL, f"{model} rank {rank}: logprobs vs HF"
+            assert _maxdiff(got["entropy"], ref_ent, mask) <= HF_TOL, f"{model} rank {rank}: entropy vs HF"
+            assert _maxdiff(got["ref"], ref_lp, mask) <= HF_TOL, f"{model} rank {rank}: reference vs HF"
+            assert (got["logprobs"] * (1 - mask)).abs().sum() == 0  # padding positions are 0
+            assert _maxdiff(got["logprobs"], tp1["logprobs"], mask) <= LAYOUT_TOL, f"{model} rank {rank} vs TP1"
+            assert _maxdiff(got["entropy"], tp1["entropy"], mask) <= LAYOUT_TOL
+
+
+def _assert_same_update(got: dict, want: dict, what: str):
+    for key, value in want["metrics"][0].items():
+        if key != "actor/tokens_per_s":
+            assert abs(got["metrics"][0][key] - value) <= LAYOUT_TOL, f"{what}: {key}"
+    assert _maxdiff(got["logprobs"], want["logprobs"]) <= LAYOUT_TOL, f"{what}: log-probs after the update"
+    for name, tensor in got["weights"].items():
+        assert _maxdiff(tensor, want["weights"][name]) <= LAYOUT_TOL, f"{what}: {name}"
+
+
+@pytest.mark.parametrize("layout", [k for k, v in LAYOUTS.items() if v[3] and k != "tp1"])
+def test_update_matches_tp1(layout, results):
+    want = results("tp1")[0]["updates"][0]
+    per_rank = results(layout)
+    names = set().union(*(r["updates"][0]["weights"] for r in per_rank))
+    assert names == set(want["weights"]), "exported weights do not cover the model"
+    for rank, res in enumerate(per_rank):
+        _assert_same_update(res["updates"][0], want, f"{layout} rank {rank}")
+
+
+def test_update_one_vs_four_microbatches(results):
+    base, one, four = results("tp1")[0]["updates"]
+    _assert_same_update(four, one, "4 vs 1 micro-batches")
+    _assert_same_update(base, one, f"budget {MAX_TOKENS} vs 1 micro-batch")
+    m = one["metrics"][0]
+    assert m["actor/pg_clipfrac"] + m["actor/pg_clipfrac_lower"] > 0  # the clips are exercised
+    assert m["actor/grad_norm"] > 0 and m["actor/kl_loss"] > 0

@@ -1,0 +1,74 @@
+"""Checkpoints: exact resume in fresh processes, crash safety, weights-only resharding.
+
+Three spawns share one checkpoint folder: EP2 training (2 steps, save, step 3, a save that raises
+mid-write), an EP2 resume in fresh processes (step 3 again), and a TP1 load of the EP2 checkpoint
+(optimizer state refused with a clear message, weights resharded), whose last act is a save
+killed with os._exit after writing its shards.
+"""
+import os
+
+import pytest
+
+from dapo_megatron.train.parallel import WorkerError, run_workers
+
+import actor_jobs
+
+pytestmark = pytest.mark.distributed
+
+LAYOUT = dict(ep=2)
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_hf_models, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("ckpt"))
+    moe = tiny_hf_models["moe"]
+
+    def spawn(world, parallel, phase):
+        return [actor_jobs.unpack(b) for b in run_workers(actor_jobs.resume_job, world, moe, parallel, root, phase,
+                                                          timeout_s=300)]
+    out = {"root": root, "train": spawn(2, LAYOUT, "train")}
+    out["listing_after_train"] = sorted(os.listdir(root))
+    out["latest_after_train"] = open(os.path.join(root, "latest")).read()
+    out["resume"] = spawn(2, LAYOUT, "resume")
+    step2 = os.path.join(root, "step_2")
+    out["step2_files"] = sorted((n, os.path.getsize(os.path.join(step2, n))) for n in os.listdir(step2))
+    with pytest.raises(WorkerError, match="exit code 3"):
+        spawn(1, dict(), "reshard")
+    with open(os.path.join(root, "reshard_result.pt"), "rb") as f:
+        out["reshard"] = actor_jobs.unpack(f.read())
+    return out
+
+
+def test_exception_during_save_keeps_previous_checkpoint(runs):
+    assert runs["train"][0]["crash"] == "simulated crash during the save"
+    assert runs["latest_after_train"] == "step_2"
+    assert "step_3" not in runs["listing_after_train"]  # the half-written save was never published
+    assert runs["resume"][0]["path"].endswith("step_2")  # ...and `auto` resumes from the previous one
+
+
+def test_resume_matches_uninterrupted_run(runs):
+    want, want_lp = runs["train"][0]["metrics"][2], runs["train"][0]["logprobs_after_3"]
+    for res in runs["resume"]:
+        assert res["trainer_state"] == {"step": 2, "sampler": [7, 8]}
+        got = res["metrics"][0]
+        for key in want:
+            if key != "actor/tokens_per_s":
+                assert got[key] == want[key], key  # exactly: same weights, Adam state, LR step
+        # After step 3 the weights depend on the restored Adam moments, step count and schedule.
+        assert (res["logprobs_after_3"] - want_lp).abs().max().item() == 0
+
+
+def test_weights_reshard_ep2_to_tp1_and_optimizer_refusal_is_clear(runs):
+    res = runs["reshard"]
+    assert "load_optimizer=False" in res["optimizer_error"] and "ep=2" in res["optimizer_error"]
+    assert res["trainer_state"]["step"] == 2
+    diff = (res["logprobs_after_2"] - runs["train"][0]["logprobs_after_2"]).abs().max().item()
+    assert diff <= 1e-5
+
+
+def test_kill_during_save_leaves_latest_on_previous(runs):
+    root = runs["root"]
+    assert open(os.path.join(root, "latest")).read() == "step_2"
+    assert not os.path.exists(os.path.join(root, "step_5"))
+    step2 = os.path.join(root, "step_2")  # untouched by the killed save (prune runs after publish)
+    assert sorted((n, os.path.getsize(os.path.join(step2, n))) for n in os.listdir(step2)) == runs["step2_files"]
