@@ -14,6 +14,7 @@ import os
 import queue
 import threading
 import time
+import zlib
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
@@ -178,17 +179,26 @@ class Engine:
             live.sink.put(live.group)
 
     # ---- requests ----------------------------------------------------------------------------
-    def _params(self, sampling: Sampling, i: int):
+    @staticmethod
+    def child_seed(seed: Optional[int], prompt: list[int], i: int) -> Optional[int]:
+        """Seed of response i of `prompt`: reproducible, and different across prompts. With plain
+        seed + i every prompt drew the same random numbers, and a near-uniform policy then gave
+        nearly the same tokens for all prompts of a batch."""
+        if seed is None:
+            return None
+        return zlib.crc32(f"{seed}:{i}:".encode() + bytes(str(prompt), "ascii")) & 0x7FFFFFFF
+
+    def _params(self, sampling: Sampling, prompt: list[int], i: int):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         return SamplingParams(
             n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            max_tokens=sampling.max_tokens, seed=None if sampling.seed is None else sampling.seed + i,
+            max_tokens=sampling.max_tokens, seed=self.child_seed(sampling.seed, prompt, i),
             stop_token_ids=list(sampling.stop_token_ids), logprobs=0, detokenize=False,
             output_kind=RequestOutputKind.DELTA)  # deltas: an aborted response keeps its tokens
 
     def _add(self, request_id: str, prompt: list[int], sampling: Sampling, index: int, sink) -> None:
-        """Fan a prompt out to n requests; child i samples with seed + i (distinct, reproducible)."""
+        """Fan a prompt out to n requests; child i samples with `child_seed` (distinct, reproducible)."""
         from vllm.inputs import TokensPrompt
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already in flight")
@@ -199,7 +209,7 @@ class Engine:
         self._live[request_id] = live
         for i, child in enumerate(live.children):
             self._child_to_group[child] = request_id
-            self._llm.add_request(child, TokensPrompt(prompt_token_ids=list(prompt)), self._params(sampling, i))
+            self._llm.add_request(child, TokensPrompt(prompt_token_ids=list(prompt)), self._params(sampling, prompt, i))
 
     def submit(self, request_id: str, prompt: list[int], sampling: Sampling, index: int = -1) -> None:
         """Start one prompt's group; it comes back from `poll` once all n responses finished."""

@@ -18,7 +18,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = -1
     max_tokens: int = 256
-    seed: Optional[int] = None  # None: nondeterministic; else response i of a prompt uses seed + i
+    seed: Optional[int] = None  # None: nondeterministic; else per response from (seed, prompt, i)
     stop_token_ids: tuple[int, ...] = ()
 
     @classmethod

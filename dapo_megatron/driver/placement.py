@@ -1,0 +1,73 @@
+"""Ray start-up and placement: which devices the training ranks and the engines run on.
+
+colocated: one placement-group bundle per device; training rank i and an engine share bundle i
+           (half of its device each), the engines sleeping while training runs.
+split:     the first devices train, the last `rollout.num_devices` generate.
+An engine takes the bundle of its first device; vLLM starts its own TP workers on that node.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.util.placement_group import placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from dapo_megatron.config import DapoConfig, num_engines, role_devices
+from dapo_megatron.device import get_device
+from dapo_megatron.driver.workers import TrainGroup, TrainWorker
+
+SHARE = 0.5  # fraction of a colocated device each role asks Ray for
+
+
+@dataclass
+class Placement:
+    train: TrainGroup
+    engines: list
+    pg: object
+
+
+def init_ray(cfg: DapoConfig) -> None:
+    """Join the cluster in RAY_ADDRESS (e.g. under `ray job submit`), else start a local one."""
+    if ray.is_initialized():
+        return
+    address = os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+    else:
+        cpus = max(os.cpu_count() or 1, cfg.trainer.n_gpus_per_node)
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+
+
+def _options(kind: str, pg, bundle: int, share: float) -> dict:
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
+    if kind == "cpu":
+        return dict(num_cpus=share, scheduling_strategy=strategy)
+    if kind == "cuda":
+        return dict(num_cpus=0, num_gpus=share, scheduling_strategy=strategy)
+    return dict(num_cpus=0, resources={"NPU": share}, scheduling_strategy=strategy)
+
+
+def place(cfg: DapoConfig, model_path: str, max_model_len: int) -> Placement:
+    """Create the placement group, the training ranks and the engines (not yet set up)."""
+    from dapo_megatron.rollout.actor import engine_actor
+    device = get_device(cfg.trainer.device)
+    devices = role_devices(cfg)
+    colocated = cfg.trainer.placement == "colocated"
+    total = devices["actor"] if colocated else devices["actor"] + devices["rollout"]
+    pg = placement_group([{device.ray_resource: 1}] * total, strategy="PACK")
+    ray.get(pg.ready(), timeout=300)
+    share = SHARE if colocated else 1.0
+    world = devices["actor"]
+    workers = [ray.remote(TrainWorker).options(**_options(device.kind, pg, i, share)).remote(cfg, model_path, i, world)
+               for i in range(world)]
+    first = 0 if colocated else devices["actor"]
+    tp = cfg.rollout.parallel.tp
+    engines = []
+    for j in range(num_engines(cfg)):
+        opts = _options(device.kind, pg, first + j * tp, share)
+        engines.append(engine_actor(model_path, cfg.rollout, dtype=cfg.model.dtype, max_model_len=max_model_len,
+                                    device=device.kind, num_cpus=opts.get("num_cpus", 0),
+                                    num_gpus=opts.get("num_gpus", 0), scheduling_strategy=opts["scheduling_strategy"]))
+    return Placement(TrainGroup(workers), engines, pg)

@@ -1,0 +1,154 @@
+"""What the loop needs around a step: start-up, weight sync, validation, save / resume, faults."""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import ray
+
+from dapo_megatron.config import DapoConfig, check_model
+from dapo_megatron.data.dataset import PromptDataset
+from dapo_megatron.driver.collect import RewardScorer
+from dapo_megatron.driver.placement import Placement, init_ray, place
+from dapo_megatron.rollout.checksum import checksum_mismatches
+from dapo_megatron.rollout.types import Sampling
+
+
+@dataclass
+class Context:
+    cfg: DapoConfig
+    model_path: str
+    tokenizer: object
+    train_data: PromptDataset
+    val_data: PromptDataset | None
+    placement: Placement
+    reward: object
+    out_dir: str
+    total_steps: int
+    stop_token_ids: tuple[int, ...]
+
+    @property
+    def train(self):
+        return self.placement.train
+
+    @property
+    def engines(self) -> list:
+        return self.placement.engines
+
+
+def as_role(role: str, fn: Callable, *args):
+    """Run `fn`; a dead Ray actor becomes one clear error naming the role, never a hang."""
+    try:
+        return fn(*args)
+    except ray.exceptions.RayActorError as exc:
+        raise RuntimeError(f"the {role} died: {str(exc).splitlines()[0]}; restart the run, it resumes "
+                           f"from the last checkpoint (trainer.resume_mode=auto)") from None
+
+
+def prepare(cfg: DapoConfig) -> Context:
+    """Resolve tiny:// assets, load tokenizer and data, start Ray, place and set up the roles."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dapo_megatron.assets import resolve_asset_path
+    from dapo_megatron.reward.manager import RewardManager
+    model_path = resolve_asset_path(cfg.model.path)
+    check_model(cfg, AutoConfig.from_pretrained(model_path).to_dict())
+    tokenizer = AutoTokenizer.from_pretrained(resolve_asset_path(cfg.model.tokenizer_path or cfg.model.path))
+    train_data = PromptDataset.from_config(cfg.data, tokenizer, "train")
+    val_data = PromptDataset.from_config(cfg.data, tokenizer, "val") if cfg.data.val_files else None
+    total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * max(
+        1, len(train_data) // cfg.data.train_batch_size)
+    init_ray(cfg)
+    placement = place(cfg, model_path, cfg.data.max_prompt_length + cfg.data.max_response_length)
+    as_role("actor", placement.train.setup, total)
+    stops = tuple(t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+                  if isinstance(t, int) and t >= 0)
+    return Context(cfg, model_path, tokenizer, train_data, val_data, placement,
+                   RewardManager(cfg.reward, cfg.data.max_response_length), cfg.trainer.default_local_dir,
+                   total, stops)
+
+
+def verify_due(cfg: DapoConfig, syncs: int) -> bool:
+    every = cfg.rollout.sync.verify_every
+    return every > 0 and syncs % every == 0
+
+
+def sync_weights(ctx: Context, verify: bool) -> None:
+    """Actor -> engines: pause, load every bucket, post-process, reset prefix cache, resume.
+
+    With `verify`, per-tensor checksums of what each engine holds must equal what was sent; a
+    mismatch stops training with the tensors' names (silent sync corruption is the failure that
+    costs users the most).
+    """
+    engines = ctx.engines
+    as_role("rollout engine", lambda: ray.get([e.begin_weight_update.remote() for e in engines]))
+    try:
+        sent = as_role("actor", ctx.train.push_weights, engines, ctx.cfg.rollout.sync.bucket_mb)
+    finally:
+        as_role("rollout engine", lambda: ray.get([e.finish_weight_update.remote() for e in engines]))
+    if verify:
+        for i, held in enumerate(as_role("rollout engine", lambda: ray.get([e.checksums.remote() for e in engines]))):
+            bad = checksum_mismatches(sent, held)
+            if bad:
+                raise RuntimeError(f"weight sync verification failed on engine {i}: {len(bad)} tensors differ "
+                                   f"from the trainer's, e.g. {bad[:5]}")
+
+
+def validate(run) -> dict:
+    """Greedy (rollout.val_kwargs) answers on the validation set: val/acc overall and per source."""
+    ctx, cfg = run.ctx, run.cfg
+    if ctx.val_data is None:
+        return {}
+    t0 = time.perf_counter()
+    items = list(ctx.val_data.items)
+    sampling = Sampling.validation(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed)
+    sampling = Sampling(**{**vars(sampling), "stop_token_ids": ctx.stop_token_ids})
+    shards = [items[i::len(ctx.engines)] for i in range(len(ctx.engines))]
+    results = as_role("rollout engine", lambda: ray.get(
+        [e.generate.remote([it.prompt_ids for it in s], sampling) for e, s in zip(ctx.engines, shards)]))
+    scorer = RewardScorer(ctx.reward, ctx.tokenizer, "acc")
+    per_source: dict[str, list[float]] = {}
+    for shard, groups in zip(shards, results):
+        for g in scorer(shard, groups):
+            per_source.setdefault(g.payload["item"].data_source, []).extend(g.payload["acc"].float().tolist())
+    values = [v for vs in per_source.values() for v in vs]
+    out = {"val/acc": sum(values) / max(len(values), 1), "timing/val": time.perf_counter() - t0}
+    out.update({f"val/acc/{src}": sum(vs) / len(vs) for src, vs in per_source.items()})
+    return out
+
+
+def trainer_state(run) -> dict:
+    return {"step": run.step, "syncs": run.syncs, "prompts": run.prompts.state_dict(),
+            "dynamic_sampling": run.sampler.state_dict()}
+
+
+def save(run) -> None:
+    ctx = run.ctx
+    path = as_role("actor", ctx.train.save, os.path.join(ctx.out_dir, "checkpoints"), run.step, trainer_state(run),
+                   run.cfg.trainer.max_checkpoints_to_keep)
+    run.logger.plot()
+    print(f"saved {path}", flush=True)
+
+
+def resume(run) -> None:
+    """trainer.resume_mode: auto (latest checkpoint if any), disable, or a step folder."""
+    from dapo_megatron.train.checkpoint import resolve_resume
+    path = resolve_resume(run.cfg.trainer.resume_mode, os.path.join(run.ctx.out_dir, "checkpoints"))
+    if path is None:
+        return
+    state = as_role("actor", run.ctx.train.load, path)
+    run.step, run.syncs = state["step"], state["syncs"]
+    run.prompts.load_state_dict(state["prompts"])
+    run.sampler.load_state_dict(state["dynamic_sampling"])
+    sync_weights(run.ctx, verify=True)  # the engines started from the HF weights, not the checkpoint's
+    print(f"resumed from {path} at step {run.step}", flush=True)
+
+
+def shutdown(run) -> None:
+    run.logger.plot()
+    run.logger.close()
+    run.ctx.reward.close()
+    for e in run.ctx.engines:
+        ray.get(e.shutdown.remote())

@@ -1,0 +1,122 @@
+"""Training ranks as Ray actors, and the group that calls them with explicit methods.
+
+One `TrainWorker` per Megatron rank holds this rank's actor (and reference, when a KL term
+needs it; it shares the actor's ranks and parallel state). `TrainGroup` fans each call out to
+every rank and returns rank 0's answer: every rank computes the same full results, and every rank
+must take part because the calls are collectives.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import ray
+
+from dapo_megatron.batch import RolloutBatch
+from dapo_megatron.config.schema import DapoConfig
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class TrainWorker:
+    def __init__(self, cfg: DapoConfig, model_path: str, rank: int, world_size: int):
+        self.cfg, self.model_path, self.rank, self.world_size = cfg, model_path, rank, world_size
+        self.actor = self.ref = None
+
+    def address(self) -> tuple[str, int]:
+        """Where rank 0 listens for the process group (asked of rank 0 only)."""
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def setup(self, master: tuple[str, int], total_steps: int) -> dict:
+        """Join the process group, initialise Megatron's parallel state, build the models."""
+        from dapo_megatron.device import get_device
+        from dapo_megatron.train.actor import Actor
+        from dapo_megatron.train.parallel import init_parallel
+        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.rank % self.cfg.trainer.n_gpus_per_node))
+        device = get_device(self.cfg.trainer.device)
+        device.setup_process(self.cfg.trainer.n_gpus_per_node)
+        info = init_parallel(self.cfg.actor.parallel, device, seed=self.cfg.trainer.seed)
+        c = self.cfg
+        self.actor = Actor(c.actor, self.model_path, n=c.rollout.n, total_steps=total_steps, dtype=c.model.dtype,
+                           temperature=c.rollout.temperature)
+        if c.actor.use_kl_loss:
+            from dapo_megatron.train.reference import Reference
+            self.ref = Reference(c.ref, self.model_path, dtype=c.model.dtype, temperature=c.rollout.temperature,
+                                 max_tokens_per_microbatch=c.actor.max_tokens_per_microbatch)
+        return vars(info)
+
+    def compute_logprobs(self, batch: RolloutBatch) -> dict:
+        return self.actor.compute_logprobs(batch)
+
+    def compute_ref_logprobs(self, batch: RolloutBatch):
+        return self.ref.compute_logprobs(batch)
+
+    def update(self, batch: RolloutBatch) -> dict:
+        return self.actor.update(batch)
+
+    def push_weights(self, engines: list, bucket_mb: int) -> dict:
+        """Export this rank's shards as HF tensors and load them into the engines.
+
+        Every rank iterates the export (it gathers over TP/EP); one rank per pipeline stage (TP
+        rank 0 of DP replica 0) sends. Returns the checksums of what this rank sent.
+        """
+        from megatron.core import parallel_state as mpu
+
+        from dapo_megatron.rollout.checksum import tensor_checksum
+        from dapo_megatron.weights import export_hf
+        sender = mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
+        sums = {}
+        for bucket in export_hf(self.actor.chunks, bucket_bytes=bucket_mb << 20):
+            if sender:
+                bucket = [(name, t.detach().cpu()) for name, t in bucket]
+                ref = ray.put(bucket)
+                ray.get([e.load_weights.remote(ref) for e in engines])
+                sums.update((name, tensor_checksum(t)) for name, t in bucket)
+        return sums
+
+    def save(self, root: str, step: int, trainer_state: dict, keep: int) -> str:
+        from dapo_megatron.train.checkpoint import save_checkpoint
+        return save_checkpoint(self.actor, root, step, trainer_state, keep=keep)
+
+    def load(self, path: str, load_optimizer: bool = True) -> dict:
+        from dapo_megatron.train.checkpoint import load_checkpoint
+        return load_checkpoint(self.actor, path, load_optimizer=load_optimizer)
+
+
+class TrainGroup:
+    """All ranks of the actor (+ reference); each method is one collective call on every rank."""
+
+    def __init__(self, workers: list):
+        self.workers = workers
+
+    def _all(self, calls: list):
+        return ray.get(calls)
+
+    def setup(self, total_steps: int) -> dict:
+        master = ray.get(self.workers[0].address.remote())
+        return self._all([w.setup.remote(master, total_steps) for w in self.workers])[0]
+
+    def compute_logprobs(self, batch_ref) -> dict:
+        return self._all([w.compute_logprobs.remote(batch_ref) for w in self.workers])[0]
+
+    def compute_ref_logprobs(self, batch_ref):
+        return self._all([w.compute_ref_logprobs.remote(batch_ref) for w in self.workers])[0]
+
+    def update(self, batch_ref) -> dict:
+        return self._all([w.update.remote(batch_ref) for w in self.workers])[0]
+
+    def push_weights(self, engines: list, bucket_mb: int) -> dict:
+        sums: dict = {}
+        for part in self._all([w.push_weights.remote(engines, bucket_mb) for w in self.workers]):
+            sums.update(part)
+        return sums
+
+    def save(self, root: str, step: int, trainer_state: dict, keep: int) -> str:
+        return self._all([w.save.remote(root, step, trainer_state, keep) for w in self.workers])[0]
+
+    def load(self, path: str, load_optimizer: bool = True) -> dict:
+        return self._all([w.load.remote(path, load_optimizer) for w in self.workers])[0]
