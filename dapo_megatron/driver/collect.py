@@ -184,6 +184,7 @@ class RewardScorer:
     def __init__(self, reward, tokenizer, metric: str):
         self.reward, self.tokenizer, self.metric = reward, tokenizer, metric
         self._metrics: list[dict] = []
+        self._sums = [0.0, 0.0, 0]  # score, acc, responses: the sampled reward before filtering
 
     def __call__(self, items: Sequence[PromptItem], groups: Sequence[RolloutGroup]) -> list[Group]:
         responses = [r for g in groups for r in g.responses]
@@ -192,6 +193,8 @@ class RewardScorer:
         sources = [it.data_source for it, g in zip(items, groups) for _ in g.responses]
         out = self.reward(texts, truths, [len(r) for r in responses], data_sources=sources)
         self._metrics.append(out.metrics)
+        self._sums = [self._sums[0] + out.score.sum().item(), self._sums[1] + out.acc.sum().item(),
+                      self._sums[2] + len(responses)]
         kept, start = [], 0
         for item, group in zip(items, groups):
             sl = slice(start, start + len(group.responses))
@@ -201,6 +204,12 @@ class RewardScorer:
         return kept
 
     def pop_metrics(self) -> dict[str, float]:
+        """Reward metrics of the step: `reward/mean`, `acc/mean` over every scored response (the
+        sampled reward, before dynamic sampling), and the reward manager's metrics averaged."""
         rows, self._metrics = self._metrics, []
+        (score, acc, count), self._sums = self._sums, [0.0, 0.0, 0]
         keys = {k for r in rows for k in r}
-        return {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys} if rows else {}
+        out = {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
+        if count:
+            out.update({"reward/mean": score / count, "acc/mean": acc / count})
+        return out

@@ -78,7 +78,7 @@ def train_step(run: Run) -> dict:
         setup.sync_weights(ctx, verify=setup.verify_due(cfg, run.syncs))
     metrics.update(collected.metrics, **run.scorer.pop_metrics())
     metrics.update(rollout_logprob_metrics(batch.rollout_logprobs, batch.old_logprobs, mask))
-    metrics.update({"reward/mean": batch.scores.mean().item(), "acc/mean": batch.acc.float().mean().item(),
+    metrics.update({"reward/kept_mean": batch.scores.mean().item(), "acc/kept_mean": batch.acc.float().mean().item(),
                     "response_length/mean": batch.response_lengths.float().mean().item(),
                     "advantages/abs_mean": masked_mean(batch.advantages.abs(), mask).item()})
     return metrics
@@ -118,6 +118,7 @@ def run(cfg: DapoConfig) -> int:
         run_.logger.log(run_.step, metrics)
         if cfg.trainer.save_freq > 0 and run_.step % cfg.trainer.save_freq == 0:
             setup.save(run_)
-    setup.save(run_)
+    if not (cfg.trainer.save_freq > 0 and run_.step % cfg.trainer.save_freq == 0):
+        setup.save(run_)  # the end of the run, or SIGTERM: keep what was trained
     setup.shutdown(run_)
     return 0
