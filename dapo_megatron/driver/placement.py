@@ -19,6 +19,7 @@ from dapo_megatron.device import get_device
 from dapo_megatron.driver.workers import TrainGroup, TrainWorker
 
 SHARE = 0.5  # fraction of a colocated device each role asks Ray for
+ENGINE_NAME = "dapo-engine"  # engines are named actors: `ray.get_actor("dapo-engine-0")` finds one
 
 
 @dataclass
@@ -69,5 +70,6 @@ def place(cfg: DapoConfig, model_path: str, max_model_len: int) -> Placement:
         opts = _options(device.kind, pg, first + j * tp, share)
         engines.append(engine_actor(model_path, cfg.rollout, dtype=cfg.model.dtype, max_model_len=max_model_len,
                                     device=device.kind, num_cpus=opts.get("num_cpus", 0),
-                                    num_gpus=opts.get("num_gpus", 0), scheduling_strategy=opts["scheduling_strategy"]))
+                                    num_gpus=opts.get("num_gpus", 0), scheduling_strategy=opts["scheduling_strategy"],
+                                    name=f"{ENGINE_NAME}-{j}"))
     return Placement(TrainGroup(workers), engines, pg)

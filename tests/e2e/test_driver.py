@@ -54,3 +54,67 @@ def test_two_steps_then_resume(tiny_assets, tmp_path):
         ray.shutdown()
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]  # resumed at step 3, not from scratch
+
+
+def test_killed_engine_is_a_clear_error_and_restart_resumes(tiny_assets, tmp_path):
+    """Kill the engine after the first step: the run stops with an error naming the role (no
+    hang), and a restarted run resumes from the last checkpoint."""
+    import threading
+    import time
+
+    import ray
+
+    from dapo_megatron.driver.loop import run
+    from dapo_megatron.driver.placement import ENGINE_NAME
+    out = tmp_path / "run"
+
+    def kill_after_first_step():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (out / "checkpoints" / "latest").exists():
+            time.sleep(0.2)
+        ray.kill(ray.get_actor(f"{ENGINE_NAME}-0"))
+
+    killer = threading.Thread(target=kill_after_first_step, daemon=True)
+    killer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="rollout engine died"):
+            run(_cfg(tiny_assets, out, steps=20))
+    finally:
+        ray.shutdown()
+    killer.join(timeout=5)
+    assert time.monotonic() - t0 < 300
+    done = [r["step"] for r in _rows(out)]
+    try:
+        assert run(_cfg(tiny_assets, out, steps=done[-1] + 1)) == 0
+    finally:
+        ray.shutdown()
+    assert [r["step"] for r in _rows(out)][-1] == done[-1] + 1
+
+
+def test_sigterm_saves_and_exits_cleanly(tiny_assets, tmp_path):
+    import signal
+    import threading
+    import time
+
+    import ray
+
+    from dapo_megatron.driver.loop import run
+    out = tmp_path / "run"
+
+    def term_after_first_step():
+        while not (out / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=term_after_first_step, daemon=True).start()
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert run(_cfg(tiny_assets, out, steps=50, **{"trainer.save_freq": 100})) == 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        ray.shutdown()
+    last = _rows(out)[-1]["step"]
+    assert last < 50  # stopped early ...
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{last}"  # ... and saved the step it finished
