@@ -73,12 +73,12 @@ class DynamicSampler:
         self.num_gen_batches += 1
         self.totals["gen_batches"] += 1
 
-    def add(self, groups: Sequence[Group], *, new_round: bool = True) -> None:
+    def add(self, groups: Sequence[Group], *, new_round: bool = True) -> list[Group]:
         """Add finished groups; keeps those that pass `filter_groups` (all if disabled).
 
         Sync mode adds a whole round at once (new_round=True counts it). Early-stop mode calls
         `start_round()` when it starts a round's prompts and adds groups as they finish
-        (new_round=False), so a round's groups may arrive over many calls.
+        (new_round=False), so a round's groups may arrive over many calls. Returns the kept groups.
         """
         if any(len(g.metric_values) == 0 for g in groups):
             raise ValueError("every group needs at least one metric value (one per response)")
@@ -95,6 +95,7 @@ class DynamicSampler:
         self.num_generated_groups += len(groups)
         self.totals["generated_groups"] += len(groups)
         self.totals["kept_groups"] += len(kept)
+        return kept
 
     @property
     def is_full(self) -> bool:

@@ -51,28 +51,41 @@ def _split(items: list, parts: int) -> list[list]:
 def collect_sync(engines: list, dataset: PromptDataset, prompts: PromptSampler, sampler: DynamicSampler,
                  score: ScoreFn, sampling: Sampling, gen_batch_size: int) -> Collected:
     """Recipe rounds: generate gen_batch_size prompts on all engines, score, filter, repeat."""
-    generated = 0
+    tokens = _Tokens()
     while not sampler.should_stop():
         items = [dataset[i] for i in prompts.next(gen_batch_size)]
         shards = _split(items, len(engines))
         futures = [e.generate.remote([it.prompt_ids for it in shard], sampling) for e, shard in zip(engines, shards)]
         for shard, results in zip(shards, ray.get(futures)):
             if shard:
-                groups = score(shard, results)
-                generated += _tokens(groups)
-                sampler.add(groups, new_round=False)
+                tokens.add(sampler, score(shard, results))
         sampler.start_round()
-    return _finish(sampler, generated, discarded_abort=0)
+    return _finish(sampler, tokens)
 
 
-def _finish(sampler: DynamicSampler, generated: int, discarded_abort: int) -> Collected:
+@dataclass
+class _Tokens:
+    """Token accounting of one collection: scored, dropped by the filter, aborted."""
+    scored: int = 0
+    filtered: int = 0
+    aborted: int = 0
+
+    def add(self, sampler: DynamicSampler, groups: list[Group]) -> None:
+        kept = sampler.add(groups, new_round=False)
+        self.scored += _tokens(groups)
+        self.filtered += _tokens(groups) - _tokens(kept)
+
+
+def _finish(sampler: DynamicSampler, tokens: _Tokens) -> Collected:
+    """take() the step's groups; waste = filtered (DAPO's own) + over-generation (surplus, aborts)."""
     metrics = {k.replace("dynamic_sampling/", "sampling/"): float(v) for k, v in sampler.metrics().items()}
     kept = sampler.take()
-    kept_tokens = _tokens(kept)
-    metrics.update({"sampling/generated_tokens": float(generated + discarded_abort),
-                    "sampling/kept_tokens": float(kept_tokens),
-                    "sampling/discarded_tokens": float(generated + discarded_abort - kept_tokens),
-                    "sampling/aborted_tokens": float(discarded_abort)})
+    generated, kept_tokens = tokens.scored + tokens.aborted, _tokens(kept)
+    metrics.update({"sampling/generated_tokens": float(generated), "sampling/kept_tokens": float(kept_tokens),
+                    "sampling/discarded_tokens": float(generated - kept_tokens),
+                    "sampling/filtered_tokens": float(tokens.filtered),
+                    "sampling/overgenerated_tokens": float(generated - kept_tokens - tokens.filtered),
+                    "sampling/aborted_tokens": float(tokens.aborted)})
     return Collected(kept, metrics)
 
 
@@ -130,7 +143,7 @@ def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSam
                        max_concurrent_per_engine: int, poll_s: float = 0.05) -> Collected:
     """Stream prompts to the engines until train_batch_size groups are kept, then abort the rest."""
     run = _EarlyStop(engines, dataset, sampling, max_concurrent_per_engine)
-    generated = 0
+    tokens = _Tokens()
     while not sampler.is_full:
         if not run.queued and not sampler.exhausted:
             run.queued.extend(dataset[i] for i in prompts.next(gen_batch_size))
@@ -141,13 +154,11 @@ def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSam
         finished = run.poll(timeout=poll_s)
         if finished:
             items, groups = zip(*finished)
-            scored = score(items, groups)
-            generated += _tokens(scored)
-            sampler.add(scored, new_round=False)
-    returned, aborted_tokens = run.abort_all()
+            tokens.add(sampler, score(items, groups))
+    returned, tokens.aborted = run.abort_all()
     # Aborted prompts first, then the never-submitted ones, in their original order.
     prompts.push_back([it.index for it in returned] + [it.index for it in run.queued])
-    result = _finish(sampler, generated, aborted_tokens)
+    result = _finish(sampler, tokens)
     result.metrics["sampling/aborted_groups"] = float(len(returned))
     return result
 
