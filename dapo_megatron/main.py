@@ -16,7 +16,6 @@ from typing import Optional, Sequence
 from dapo_megatron.config import ConfigError, DapoConfig, check_model, check_path, load_config
 
 EXIT_BAD_INPUT = 2
-EXIT_NOT_BUILT = 3
 
 # Python modules each part needs -> the install step that provides them.
 REQUIRED_MODULES = {
@@ -77,12 +76,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("error: this Python lacks " + "; ".join(missing) + ". Run `bash launch/setup_env.sh`.",
               file=sys.stderr)
         return EXIT_BAD_INPUT
-    if importlib.util.find_spec("dapo_megatron.driver.loop") is None:
-        print(f"config {args.config_name!r} is valid, but the DAPO driver (Ray loop) is not built yet: "
-              "nothing was trained. Available today: the config checks, `python -m dapo_megatron.convert`, "
-              "`python -m dapo_megatron.assets build`, and the test suite.", file=sys.stderr)
-        return EXIT_NOT_BUILT
-    from dapo_megatron.driver.loop import run  # the driver issue provides it
+    from dapo_megatron.driver.loop import run
     return run(cfg)
 
 
