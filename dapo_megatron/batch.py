@@ -56,6 +56,16 @@ class RolloutBatch:
         width = max(int(lengths.max()) if len(lengths) else 0, 1)
         return (torch.arange(width)[None, :] < lengths[:, None]).float()
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the batch's tensors (what a Ray put of it moves, less the small string fields)."""
+        total = 0
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            for t in value if isinstance(value, list) else [value]:
+                total += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+        return total
+
     def select(self, index: Sequence[int] | torch.Tensor) -> "RolloutBatch":
         """The samples at `index`, in that order (per-token tensors keep their width)."""
         idx = torch.as_tensor(index, dtype=torch.long)

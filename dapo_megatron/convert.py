@@ -58,28 +58,19 @@ def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dic
     """Load the dist checkpoint at `layout`, export; one writer per pipeline stage."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as mpu
     from tqdm import tqdm
 
     from dapo_megatron.models import build_model, load_hf_config
     from dapo_megatron.train.parallel import init_parallel
-    from dapo_megatron.weights import export_hf
-    from dapo_megatron.weights.hf_io import ShardWriter
+    from dapo_megatron.weights.export import write_hf_shards
     init_parallel(_parallel(layout), key="convert")
     chunks = build_model(load_hf_config(hf_config_dir), dtype=dtype, perform_initialization=False)
     state = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()}, ckpt)
     chunks[0].load_state_dict(state["model"], strict=True)
-    writer = (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
-              and mpu.get_context_parallel_rank() == 0)
-    shards = ShardWriter(out_dir, f"part-s{mpu.get_pipeline_model_parallel_rank()}", shard_bytes)
     bar = tqdm(desc="export", unit="tensor", disable=dist.get_rank() != 0, file=sys.stderr)
-    for bucket in export_hf(chunks, bucket_bytes=shard_bytes):
-        for name, tensor in bucket if writer else ():
-            shards.add(name, tensor)
-        bar.update(len(bucket))
-    shards.flush()
+    result = write_hf_shards(chunks, out_dir, shard_bytes, on_bucket=lambda b: bar.update(len(b)))
     bar.close()
-    return {"weight_map": shards.weight_map, "total_bytes": shards.total_bytes} if writer else {}
+    return result
 
 
 # --------------------------------------------------------------------------------------------

@@ -138,6 +138,11 @@ def _check_layouts(cfg: DapoConfig) -> None:
              f"rollout.parallel.ep ({r.ep}) must be 1 or equal rollout.parallel.tp ({r.tp}): vLLM spreads "
              f"experts over the engine's tensor-parallel ranks")
     _require(r.pp == 1, "rollout.parallel.pp", "rollout.parallel.pp must be 1 (engines use TP and EP)")
+    # Engine checksums read one worker's whole model; TP-sharded engines log rollout/logprob_diff_*
+    # against the actor every step instead (a wrong sync shows there as a jump).
+    _require(cfg.rollout.sync.verify_every == 0 or r.tp == 1, "rollout.sync.verify_every",
+             f"rollout.sync.verify_every ({cfg.rollout.sync.verify_every}) needs rollout.parallel.tp == 1 (engine "
+             f"checksums are not implemented for TP-sharded engines); set rollout.sync.verify_every=0")
     fit = devices["rollout"] // r.tp
     _require(0 <= cfg.rollout.num_engines <= fit, "rollout.num_engines",
              f"rollout.num_engines ({cfg.rollout.num_engines}) must be in [0, {fit}]: {devices['rollout']} engine "

@@ -115,11 +115,16 @@ class Device:
 
     def setup_megatron(self) -> None:
         """Prepare this process for megatron-core; call before building any Megatron model."""
+        if self.kind == "npu":
+            import mindspeed.megatron_adaptor  # noqa: F401  (patches Megatron for Ascend at import)
         if self.kind == "cpu":
             from dapo_megatron.device.megatron_cpu import install
             install()
-        elif self.kind == "npu":
-            import mindspeed.megatron_adaptor  # noqa: F401  (patches Megatron for Ascend at import)
+        else:  # the local spec's MoE router and sequence-parallel norms break without TE anywhere
+            import importlib.util
+            if importlib.util.find_spec("transformer_engine") is None:
+                from dapo_megatron.device import megatron_local_spec
+                megatron_local_spec.install()
 
     def vllm_env(self, tp: int = 1) -> dict:
         """Environment the vLLM engine process needs on this device (see notes/vllm-cpu.md).

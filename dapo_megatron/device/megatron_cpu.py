@@ -8,11 +8,12 @@ checkpoints, TP / PP / EP (allgather dispatcher) with sequence parallel.
 from __future__ import annotations
 
 import contextlib
-import copy
 import threading
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+from dapo_megatron.device import megatron_local_spec
 
 _INSTALLED = False
 _THREAD = threading.local()  # torch function modes are per thread
@@ -121,37 +122,6 @@ def _patch_rng() -> None:
     mrandom.initialize_rng_tracker(force_reset=True)
 
 
-def _patch_moe() -> None:
-    # Symptom: `NameError: te_general_gemm` in the router of any MoE model without Transformer
-    # Engine (0.16.1 only defines the name when TE imports).
-    from megatron.core.transformer.moe import moe_utils
-    if not hasattr(moe_utils, "te_general_gemm"):
-        moe_utils.te_general_gemm = None
-
-
-def _patch_torch_norm_sequence_parallel() -> None:
-    """Symptom: "sequence parallel not supported by torch LayerNorm" (SP is required for MoE with TP).
-
-    The norm math is per token, so it is the same on a sequence shard; what SP needs is that the
-    norm weights' grads are all-reduced over TP, which Megatron does for params marked
-    `sequence_parallel` (as Transformer Engine's norms mark them).
-    """
-    from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    original_new = WrappedTorchNorm.__new__
-
-    def __new__(cls, config, hidden_size, eps=1e-5, **kwargs):
-        if not config.sequence_parallel:
-            return original_new(cls, config, hidden_size, eps, **kwargs)
-        cfg = copy.copy(config)  # a shallow copy skips __post_init__ validation, as intended
-        cfg.sequence_parallel = False
-        norm = original_new(cls, cfg, hidden_size, eps, **kwargs)
-        for p in norm.parameters():
-            p.sequence_parallel = True
-        return norm
-
-    WrappedTorchNorm.__new__ = staticmethod(__new__)
-
-
 def install() -> None:
     """Apply the CPU patches to torch.cuda and megatron-core; idempotent.
 
@@ -162,8 +132,7 @@ def install() -> None:
     if not _INSTALLED:
         _patch_torch_cuda()
         _patch_rng()
-        _patch_moe()
-        _patch_torch_norm_sequence_parallel()
+        megatron_local_spec.install()
         _INSTALLED = True
     if not getattr(_THREAD, "mode", None):
         _THREAD.mode = _CudaToCpuMode()

@@ -75,12 +75,14 @@ def train_step(run: Run) -> dict:
         metrics = ctx.train.update(ray.put(batch))
     with run.timed("sync"):
         run.syncs += 1
-        setup.sync_weights(ctx, verify=setup.verify_due(cfg, run.syncs))
+        metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync.bucket_mb,
+                                          verify=setup.verify_due(cfg, run.syncs)))
     metrics.update(collected.metrics, **run.scorer.pop_metrics())
     metrics.update(rollout_logprob_metrics(batch.rollout_logprobs, batch.old_logprobs, mask))
     metrics.update({"reward/kept_mean": batch.scores.mean().item(), "acc/kept_mean": batch.acc.float().mean().item(),
                     "response_length/mean": batch.response_lengths.float().mean().item(),
-                    "advantages/abs_mean": masked_mean(batch.advantages.abs(), mask).item()})
+                    "advantages/abs_mean": masked_mean(batch.advantages.abs(), mask).item(),
+                    "driver/batch_bytes": batch.nbytes})
     return metrics
 
 
@@ -98,7 +100,7 @@ def run(cfg: DapoConfig) -> int:
         run_.logger.log(0, setup.validate(run_))
     empty = 0
     while run_.step < ctx.total_steps and not run_.stop_requested:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         metrics = train_step(run_)
         if not metrics:
             empty += 1
@@ -112,7 +114,10 @@ def run(cfg: DapoConfig) -> int:
             continue
         empty = 0
         run_.step += 1
-        metrics.update(run_.timing, **{"timing/step": time.perf_counter() - t0})
+        # driver/cpu_s: CPU the driver process itself burned (scoring glue, batching, logging),
+        # as opposed to waiting for the engines and training ranks.
+        metrics.update(run_.timing, **{"timing/step": time.perf_counter() - t0,
+                                       "driver/cpu_s": time.process_time() - cpu0})
         if cfg.trainer.test_freq > 0 and run_.step % cfg.trainer.test_freq == 0:
             metrics.update(setup.validate(run_))
         run_.logger.log(run_.step, metrics)

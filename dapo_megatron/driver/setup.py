@@ -75,17 +75,16 @@ def verify_due(cfg: DapoConfig, syncs: int) -> bool:
     return every > 0 and syncs % every == 0
 
 
-def sync_weights(ctx: Context, verify: bool) -> None:
+def sync_weights(train, engines: list, bucket_mb: int, verify: bool) -> dict:
     """Actor -> engines: pause, load every bucket, post-process, reset prefix cache, resume.
 
     With `verify`, per-tensor checksums of what each engine holds must equal what was sent; a
     mismatch stops training with the tensors' names (silent sync corruption is the failure that
-    costs users the most).
+    costs users the most). Returns {"sync/bytes": bytes the trainer sent per engine}.
     """
-    engines = ctx.engines
     as_role("rollout engine", lambda: ray.get([e.begin_weight_update.remote() for e in engines]))
     try:
-        sent = as_role("actor", ctx.train.push_weights, engines, ctx.cfg.rollout.sync.bucket_mb)
+        sent, nbytes = as_role("actor", train.push_weights, engines, bucket_mb)
     finally:
         as_role("rollout engine", lambda: ray.get([e.finish_weight_update.remote() for e in engines]))
     if verify:
@@ -94,6 +93,7 @@ def sync_weights(ctx: Context, verify: bool) -> None:
             if bad:
                 raise RuntimeError(f"weight sync verification failed on engine {i}: {len(bad)} tensors differ "
                                    f"from the trainer's, e.g. {bad[:5]}")
+    return {"sync/bytes": nbytes}
 
 
 def validate(run) -> dict:
@@ -142,7 +142,8 @@ def resume(run) -> None:
     run.step, run.syncs = state["step"], state["syncs"]
     run.prompts.load_state_dict(state["prompts"])
     run.sampler.load_state_dict(state["dynamic_sampling"])
-    sync_weights(run.ctx, verify=True)  # the engines started from the HF weights, not the checkpoint's
+    sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync.bucket_mb, 
+                 verify=run.cfg.rollout.sync.verify_every > 0)  # engines start from the HF weights
     print(f"resumed from {path} at step {run.step}", flush=True)
 
 

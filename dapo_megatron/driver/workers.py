@@ -21,10 +21,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class RayBroadcast:
+    """Weight-sync transport: one `ray.put` per bucket that every engine loads from the object
+    store (zero-copy into an engine's in-process model on the same node). One bucket stays in
+    flight, so exporting the next bucket overlaps the engines' loading of this one."""
+
+    def __init__(self, engines: list):
+        self.engines, self.pending = engines, []
+
+    def send(self, bucket: list) -> None:
+        ref = ray.put([(name, t.detach().cpu()) for name, t in bucket])
+        self.flush()
+        self.pending = [e.load_weights.remote(ref) for e in self.engines]
+
+    def flush(self) -> None:
+        ray.get(self.pending)
+        self.pending = []
+
+
 class TrainWorker:
     def __init__(self, cfg: DapoConfig, model_path: str, rank: int, world_size: int):
         self.cfg, self.model_path, self.rank, self.world_size = cfg, model_path, rank, world_size
         self.actor = self.ref = None
+        self.sync_plan = None  # what this rank sends per weight sync, fixed by the first one
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process group (asked of rank 0 only)."""
@@ -58,25 +77,18 @@ class TrainWorker:
     def update(self, batch: RolloutBatch) -> dict:
         return self.actor.update(batch)
 
-    def push_weights(self, engines: list, bucket_mb: int) -> dict:
-        """Export this rank's shards as HF tensors and load them into the engines.
+    def push_weights(self, engines: list, bucket_mb: int) -> tuple[dict, int]:
+        """Send the tensors this rank owns (weights/sync.py) into every engine; returns their
+        checksums and bytes. A collective: every rank takes part in the TP / expert-TP gathers."""
+        from dapo_megatron.weights.sync import push
+        sums, self.sync_plan = push(self.actor.chunks, RayBroadcast(engines), bucket_mb << 20, self.sync_plan)
+        return sums, self.sync_plan.nbytes
 
-        Every rank iterates the export (it gathers over TP/EP); one rank per pipeline stage (TP
-        rank 0 of DP replica 0) sends. Returns the checksums of what this rank sent.
-        """
-        from megatron.core import parallel_state as mpu
-
-        from dapo_megatron.rollout.checksum import tensor_checksum
-        from dapo_megatron.weights import export_hf
-        sender = mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
-        sums = {}
-        for bucket in export_hf(self.actor.chunks, bucket_bytes=bucket_mb << 20):
-            if sender:
-                bucket = [(name, t.detach().cpu()) for name, t in bucket]
-                ref = ray.put(bucket)
-                ray.get([e.load_weights.remote(ref) for e in engines])
-                sums.update((name, tensor_checksum(t)) for name, t in bucket)
-        return sums
+    def save_hf(self, out_dir: str, shard_mb: int = 2048) -> dict:
+        """Write the current weights as HF safetensors shards (one writer per stage); returns
+        the writer's weight map (empty on non-writers). For checks and exports, not the loop."""
+        from dapo_megatron.weights.export import write_hf_shards
+        return write_hf_shards(self.actor.chunks, out_dir, shard_mb << 20)
 
     def save(self, root: str, step: int, trainer_state: dict, keep: int) -> str:
         from dapo_megatron.train.checkpoint import save_checkpoint
@@ -109,11 +121,21 @@ class TrainGroup:
     def update(self, batch_ref) -> dict:
         return self._all([w.update.remote(batch_ref) for w in self.workers])[0]
 
-    def push_weights(self, engines: list, bucket_mb: int) -> dict:
-        sums: dict = {}
-        for part in self._all([w.push_weights.remote(engines, bucket_mb) for w in self.workers]):
+    def push_weights(self, engines: list, bucket_mb: int) -> tuple[dict, int]:
+        """Every rank sends what it owns; returns all checksums and the bytes sent per engine."""
+        sums, nbytes = {}, 0
+        for part, n in self._all([w.push_weights.remote(engines, bucket_mb) for w in self.workers]):
             sums.update(part)
-        return sums
+            nbytes += n
+        return sums, nbytes
+
+    def save_hf(self, out_dir: str) -> tuple[dict, int]:
+        """HF shards of the current weights in out_dir; (weight map, bytes) for `finalize_shards`."""
+        weight_map, total = {}, 0
+        for part in self._all([w.save_hf.remote(out_dir) for w in self.workers]):
+            weight_map.update(part.get("weight_map", {}))
+            total += part.get("total_bytes", 0)
+        return weight_map, total
 
     def save(self, root: str, step: int, trainer_state: dict, keep: int) -> str:
         return self._all([w.save.remote(root, step, trainer_state, keep) for w in self.workers])[0]

@@ -16,7 +16,7 @@ not yielded (HF ties it to embed_tokens).
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -75,8 +75,8 @@ def _rename_expert(hf_name: str, pm, geo, ep_rank: int) -> str:
     return hf_name.replace(f".experts.{mine}.", f".experts.{theirs}.", 1)
 
 
-def iter_hf_tensors(model_chunks, experts: str = "gather") -> Iterator[tuple[str, torch.Tensor]]:
-    """(hf_name, full tensor) one at a time; see the module docstring for who yields what."""
+def iter_hf_params(model_chunks, experts: str = "gather") -> Iterator[tuple[object, dict[str, torch.Tensor]]]:
+    """(ParamMap, {hf_name: full tensor}) per Megatron parameter; see the module docstring."""
     if experts not in ("gather", "owner"):
         raise ValueError(f"experts must be 'gather' or 'owner', got {experts!r}")
     groups = _groups()
@@ -90,14 +90,19 @@ def iter_hf_tensors(model_chunks, experts: str = "gather") -> Iterator[tuple[str
             tensors = _to_hf(pm, shards, dim, geo)
             if pm.is_expert and experts == "gather":
                 tensors = _expert_over_ep(pm, tensors, geo, groups["ep"])
-            yield from tensors.items()
+            yield pm, tensors
 
 
-def export_hf(model_chunks, bucket_bytes: int = 1 << 30,
-              experts: str = "gather") -> Iterator[list[tuple[str, torch.Tensor]]]:
-    """Buckets (lists) of (hf_name, full tensor) of about `bucket_bytes` each; a collective."""
+def iter_hf_tensors(model_chunks, experts: str = "gather") -> Iterator[tuple[str, torch.Tensor]]:
+    """(hf_name, full tensor) one at a time; see the module docstring for who yields what."""
+    for _, tensors in iter_hf_params(model_chunks, experts):
+        yield from tensors.items()
+
+
+def bucketize(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Group (name, tensor) pairs into lists of about `bucket_bytes` (a tensor is never split)."""
     bucket, size = [], 0
-    for name, tensor in iter_hf_tensors(model_chunks, experts):
+    for name, tensor in items:
         bucket.append((name, tensor))
         size += tensor.numel() * tensor.element_size()
         if size >= bucket_bytes:
@@ -105,3 +110,28 @@ def export_hf(model_chunks, bucket_bytes: int = 1 << 30,
             bucket, size = [], 0
     if bucket:
         yield bucket
+
+
+def export_hf(model_chunks, bucket_bytes: int = 1 << 30,
+              experts: str = "gather") -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """Buckets (lists) of (hf_name, full tensor) of about `bucket_bytes` each; a collective."""
+    yield from bucketize(iter_hf_tensors(model_chunks, experts), bucket_bytes)
+
+
+def write_hf_shards(model_chunks, out_dir: str, shard_bytes: int, on_bucket=None) -> dict:
+    """Export into HF safetensors shards in `out_dir`, one writer per pipeline stage (TP rank 0
+    of DP / CP replica 0); a collective. Returns {"weight_map", "total_bytes"} on writers, {}
+    elsewhere: the caller merges them and calls `hf_io.finalize_shards`."""
+    from megatron.core import parallel_state as mpu
+
+    from dapo_megatron.weights.hf_io import ShardWriter
+    writer = (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
+              and mpu.get_context_parallel_rank() == 0)
+    shards = ShardWriter(out_dir, f"part-s{mpu.get_pipeline_model_parallel_rank()}", shard_bytes)
+    for bucket in export_hf(model_chunks, bucket_bytes=shard_bytes):
+        for name, tensor in bucket if writer else ():
+            shards.add(name, tensor)
+        if on_bucket is not None:
+            on_bucket(bucket)
+    shards.flush()
+    return {"weight_map": shards.weight_map, "total_bytes": shards.total_bytes} if writer else {}

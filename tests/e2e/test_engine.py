@@ -108,6 +108,29 @@ def test_push_b_then_back_to_a(setup):
     assert [g.responses[0] for g in _greedy(engine)] == setup["greedy"]["A"]
 
 
+def test_check_sync_catches_the_moe_repack_bug(setup, monkeypatch):
+    """check_sync's comparison (engine log-probs vs HF on the pushed weights) must see the bug
+    vLLM's reload path has on CPU: experts left unpacked after a push."""
+    from dapo_megatron.rollout import worker_ext
+    from dapo_megatron.rollout.types import Sampling
+    from dapo_megatron.tools.check_sync import DEFAULT_TOL, max_logprob_diff
+    if setup["kind"] != "qwen3_moe":
+        pytest.skip("the repack bug concerns MoE experts")
+    engine, sds, hf_b = setup["engine"], setup["state_dicts"], setup["models"]["B"]
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=8, seed=0)
+    try:
+        monkeypatch.setattr(worker_ext, "_expert_layers", lambda model: iter(()))  # skip our repack fix
+        _push(engine, sds["B"])
+        broken = max_logprob_diff(engine.generate(PROMPTS, sampling), hf_b)
+        monkeypatch.undo()
+        _push(engine, sds["B"])
+        fixed = max_logprob_diff(engine.generate(PROMPTS, sampling), hf_b)
+    finally:
+        monkeypatch.undo()
+        _push(engine, sds["A"])
+    assert broken > 100 * DEFAULT_TOL and fixed < DEFAULT_TOL, (broken, fixed)
+
+
 def test_push_as_bytes(setup):
     """The transport for engines whose workers live in other processes (TP > 1)."""
     engine, sds = setup["engine"], setup["state_dicts"]

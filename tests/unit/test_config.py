@@ -122,6 +122,7 @@ RULES = [
     (["rollout.parallel.ep=2"], "rollout.parallel.ep"),
     (["rollout.parallel.pp=2"], "rollout.parallel.pp"),
     (["rollout.num_engines=3"], "rollout.num_engines"),
+    (["rollout.parallel.tp=2"], "rollout.sync.verify_every"),
     (["rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization"),
     (["trainer.placement=split", "rollout.num_devices=2"], "rollout.num_devices"),
     (["trainer.n_gpus_per_node=4", "actor.parallel.ep=1", "actor.parallel.tp=1", "rollout.n=3",
@@ -143,9 +144,9 @@ MODEL_RULES = [
     (["actor.parallel.ep=2"], dict(TINY_MOE, num_experts=3), "actor.parallel.ep"),
     (["actor.parallel.ep=1", "ref.parallel.ep=1", "actor.parallel.tp=2", "ref.parallel.tp=2"], TINY_MOE,
      "actor.parallel.etp"),
-    (["actor.parallel.ep=1", "rollout.parallel.tp=2", "rollout.parallel.ep=2"], dict(TINY_MOE, num_experts=3),
+    (["actor.parallel.ep=1", "rollout.parallel.tp=2", "rollout.parallel.ep=2", "rollout.sync.verify_every=0"], dict(TINY_MOE, num_experts=3),
      "rollout.parallel.ep"),
-    (["actor.parallel.ep=1", "rollout.parallel.tp=2"], dict(TINY_MOE, num_attention_heads=3, num_key_value_heads=3),
+    (["actor.parallel.ep=1", "rollout.parallel.tp=2", "rollout.sync.verify_every=0"], dict(TINY_MOE, num_attention_heads=3, num_key_value_heads=3),
      "rollout.parallel.tp"),
     (["data.max_response_length=2000"], TINY_MOE, "data.max_response_length"),
 ]
@@ -160,7 +161,7 @@ def test_model_rule_names_key(overrides, model, key):
 
 
 def test_model_rules_accept_valid_layouts():
-    cfg = load_config("quickstart", ["rollout.parallel.tp=2", "rollout.parallel.ep=2"])
+    cfg = load_config("quickstart", ["rollout.parallel.tp=2", "rollout.parallel.ep=2", "rollout.sync.verify_every=0"])
     check_model(cfg, TINY_MOE)  # no error: EP2 over 4 experts, TP2 over 4 heads / 2 kv heads
 
 
