@@ -69,4 +69,3 @@ def checksum_mismatches(expected: dict[str, Checksum], actual: dict[str, Checksu
                 or abs(a.abs_sum - b.abs_sum) > tol):
             bad.append(name)
     return bad
-

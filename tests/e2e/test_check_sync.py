@@ -8,7 +8,7 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-LAYOUTS = {"tp2": ["--tp", "2"], "ep2": ["--ep", "2"], "pp2": ["--pp", "2"], "tp2xep2": ["--tp", "2", "--ep", "2"]}
+LAYOUTS = {"tp2": ["--tp", "2", "--etp", "2"], "ep2": ["--ep", "2"], "pp2": ["--pp", "2"], "tp2xep2": ["--tp", "2", "--ep", "2"]}
 
 
 @pytest.fixture(scope="module")
