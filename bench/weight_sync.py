@@ -23,7 +23,7 @@ import time
 MODEL = dict(hidden_size=512, num_attention_heads=8, num_key_value_heads=4, head_dim=64,
              moe_intermediate_size=512, intermediate_size=1024, num_experts=8, num_experts_per_tok=2)
 LAYERS = {10: 1, 50: 6, 200: 28}
-LAYOUTS = {"tp2": dict(tp=2), "ep2": dict(ep=2), "tp2xep2": dict(tp=2, ep=2), "tp1": dict()}
+LAYOUTS = {"tp2": dict(tp=2, etp=2), "ep2": dict(ep=2), "tp2xep2": dict(tp=2, ep=2), "tp1": dict()}
 
 
 def _median_time(fn, repeats: int) -> tuple[float, object]:

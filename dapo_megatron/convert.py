@@ -39,32 +39,36 @@ def _parallel(layout: dict):
     return ParallelConfig(**layout)
 
 
-def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str) -> None:
+def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str, device: str) -> None:
     from megatron.core import dist_checkpointing
 
+    from dapo_megatron.device import get_device
     from dapo_megatron.models import build_model, load_hf_config
     from dapo_megatron.train.parallel import init_parallel
     from dapo_megatron.weights import load_hf_checkpoint
-    init_parallel(_parallel(layout), key="convert")
+    init_parallel(_parallel(layout), get_device(device), key="convert")
     # Every parameter is overwritten by the load: skip Megatron's random init, which on CPU
     # builds each full (unsharded) weight on every rank before slicing it.
-    chunks = build_model(load_hf_config(hf_dir), dtype=dtype, perform_initialization=False)
+    chunks = build_model(load_hf_config(hf_dir), dtype=dtype, perform_initialization=False,
+                         device=get_device(device))
     load_hf_checkpoint(chunks, hf_dir, progress=True)
     dist_checkpointing.save({"model": chunks[0].sharded_state_dict()}, out_dir)
 
 
 def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dict, dtype: str,
-                        shard_bytes: int) -> dict:
+                        shard_bytes: int, device: str) -> dict:
     """Load the dist checkpoint at `layout`, export; one writer per pipeline stage."""
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
+    from dapo_megatron.device import get_device
     from dapo_megatron.models import build_model, load_hf_config
     from dapo_megatron.train.parallel import init_parallel
     from dapo_megatron.weights.export import write_hf_shards
-    init_parallel(_parallel(layout), key="convert")
-    chunks = build_model(load_hf_config(hf_config_dir), dtype=dtype, perform_initialization=False)
+    init_parallel(_parallel(layout), get_device(device), key="convert")
+    chunks = build_model(load_hf_config(hf_config_dir), dtype=dtype, perform_initialization=False,
+                         device=get_device(device))
     state = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()}, ckpt)
     chunks[0].load_state_dict(state["model"], strict=True)
     bar = tqdm(desc="export", unit="tensor", disable=dist.get_rank() != 0, file=sys.stderr)
@@ -86,6 +90,25 @@ def world_for_layout(layout: dict) -> int:
     import math
     dense, expert = layout["tp"] * layout["pp"], layout["etp"] * layout["ep"] * layout["pp"]
     return dense * expert // math.gcd(dense, expert)
+
+
+def pick_device(kind: str, world: int) -> str:
+    """The device the `world` conversion workers run on: one accelerator each, else the CPU.
+
+    Conversion only moves tensors, so on a host with fewer accelerators than the layout has
+    ranks `auto` converts on the CPU (gloo) rather than failing on a missing device ordinal.
+    """
+    from dapo_megatron.device import detect, get_device
+    resolved = detect() if kind == "auto" else kind
+    have = get_device(resolved).count()
+    if resolved == "cpu" or have >= world:
+        return resolved
+    if kind != "auto":
+        raise UsageError(f"--device {kind}: the layout needs {world} worker processes, one {kind} device each, "
+                         f"and this host has {have}; use --device cpu (or auto)")
+    print(f"convert: the layout needs {world} processes and this host has {have} {resolved} devices; "
+          "converting on the CPU (gloo)", file=sys.stderr)
+    return "cpu"
 
 
 def _temp_dir(out: str, force: bool) -> str:
@@ -157,8 +180,9 @@ def hf_to_mcore(args) -> str:
     layout = _layout(args)
     tmp = _temp_dir(args.out, args.force)
     try:
-        run_workers(_hf_to_mcore_worker, world_for_layout(layout), os.path.abspath(args.hf_dir), tmp, layout, dtype,
-                    timeout_s=args.timeout)
+        world = world_for_layout(layout)
+        run_workers(_hf_to_mcore_worker, world, os.path.abspath(args.hf_dir), tmp, layout, dtype,
+                    pick_device(args.device, world), timeout_s=args.timeout)
         _copy_aux(args.hf_dir, os.path.join(tmp, HF_SUBDIR), dtype)
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump({"format": "megatron-core dist_checkpointing torch_dist", "layout": layout,
@@ -180,8 +204,9 @@ def mcore_to_hf(args) -> str:
     layout = _layout(args)
     tmp = _temp_dir(args.out, args.force)
     try:
-        results = run_workers(_mcore_to_hf_worker, world_for_layout(layout), os.path.abspath(args.ckpt),
-                              os.path.abspath(hf_config), tmp, layout, dtype, args.shard_mb << 20,
+        world = world_for_layout(layout)
+        results = run_workers(_mcore_to_hf_worker, world, os.path.abspath(args.ckpt), os.path.abspath(hf_config),
+                              tmp, layout, dtype, args.shard_mb << 20, pick_device(args.device, world),
                               timeout_s=args.timeout)
         weight_map, total = {}, 0
         for r in results:
@@ -212,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--dtype", choices=["keep", "bf16", "fp32", "fp16"], default="keep",
                        help="dtype of the output (keep: that of the input)")
         s.add_argument("--force", action="store_true", help="overwrite an existing --out")
+        s.add_argument("--device", choices=["auto", "cpu", "cuda", "npu"], default="auto",
+                       help="where the workers run (auto: one accelerator per rank if there are enough, else CPU)")
         s.add_argument("--timeout", type=float, default=3600.0, help="seconds before the workers are killed")
         s.add_argument("--verbose", action="store_true", help="print worker tracebacks on errors")
     return p

@@ -65,6 +65,10 @@ class Device:
     def _module(self):
         return getattr(torch, self.kind) if self.is_accelerator else None
 
+    def count(self) -> int:
+        """Devices of this kind on this host (CPU: one per core, enough for any gloo world)."""
+        return self._module().device_count() if self.is_accelerator else (os.cpu_count() or 1)
+
     def torch_device(self, local_rank: int = 0) -> torch.device:
         return torch.device(self.kind, local_rank) if self.is_accelerator else torch.device("cpu")
 

@@ -101,9 +101,10 @@ class _EarlyStop:
         self.load = [0] * len(engines)
         self.ids = itertools.count()
 
-    def submit_ready(self) -> None:
+    def submit_ready(self, limit: float) -> None:
+        """Submit queued prompts while an engine has capacity and fewer than `limit` are in flight."""
         calls = []
-        while self.queued:
+        while self.queued and len(self.in_flight) < limit:
             e = min(range(len(self.engines)), key=self.load.__getitem__)  # least-loaded engine first
             if self.load[e] >= self.capacity:
                 break
@@ -148,7 +149,9 @@ def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSam
         if not run.queued and not sampler.exhausted:
             run.queued.extend(dataset[i] for i in prompts.next(gen_batch_size))
             sampler.start_round()
-        run.submit_ready()
+        # No more in flight than the batch still needs at the keep rate seen so far: the rest
+        # would mostly be aborted (waste) when the batch fills.
+        run.submit_ready(sampler.groups_to_fill())
         if not run.in_flight:
             break  # round budget spent and everything came back: train on what was kept
         finished = run.poll(timeout=poll_s)

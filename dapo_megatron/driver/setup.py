@@ -142,7 +142,7 @@ def resume(run) -> None:
     run.step, run.syncs = state["step"], state["syncs"]
     run.prompts.load_state_dict(state["prompts"])
     run.sampler.load_state_dict(state["dynamic_sampling"])
-    sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync.bucket_mb, 
+    sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync.bucket_mb,
                  verify=run.cfg.rollout.sync.verify_every > 0)  # engines start from the HF weights
     print(f"resumed from {path} at step {run.step}", flush=True)
 

@@ -58,6 +58,7 @@ def sync_config(hf_dir: str, layout: dict, *, rollout_tp: int = 1, rollout_ep: i
     the smallest world that fits it, one engine, checksums on where the engine supports them."""
     from dapo_megatron.config import load_config
     from dapo_megatron.convert import world_for_layout
+    layout = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, **layout}
     parallel = [f"{role}.parallel.{k}={v}" for role in ("actor", "ref") for k, v in layout.items()]
     return load_config("quickstart", [
         f"model.path={hf_dir}", f"model.dtype={dtype}", f"trainer.device={device}",

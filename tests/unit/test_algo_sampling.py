@@ -96,3 +96,18 @@ def test_early_stop_rounds_are_counted_by_start_round():
     assert s.exhausted and s.metrics()["dynamic_sampling/generated_groups"] == 2
     s.add([Group([0.0, 1.0])], new_round=False)
     assert s.is_full and len(s.take()) == 2 and s.state_dict()["gen_batches"] == 2
+
+
+def test_groups_to_fill_follows_the_keep_rate_of_all_steps():
+    import math
+    s = DynamicSampler(train_batch_size=4, max_num_gen_batches=0)
+    assert s.groups_to_fill() == 4  # nothing seen yet: assume every group is kept
+    s.add([Group([1.0, 0.0]), Group([1.0, 1.0]), Group([0.0, 0.0]), Group([0.0, 0.0])], new_round=False)
+    assert s.groups_to_fill() == 12  # 3 missing at 1 kept in 4
+    s.add([Group([1.0, 0.0])] * 3, new_round=False)
+    assert s.is_full and s.groups_to_fill() == 0
+    s.take()
+    assert s.groups_to_fill() == math.ceil(4 * 7 / 4)  # the rate carries over to the next step
+    none_kept = DynamicSampler(train_batch_size=2, max_num_gen_batches=0)
+    none_kept.add([Group([1.0, 1.0])], new_round=False)
+    assert none_kept.groups_to_fill() == math.inf

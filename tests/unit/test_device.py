@@ -60,3 +60,15 @@ def test_ray_resource_and_cpu_threads():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
+
+
+def test_convert_picks_cpu_when_accelerators_are_fewer_than_ranks(monkeypatch, capsys):
+    import dapo_megatron.device as device
+    from dapo_megatron.convert import UsageError, pick_device
+    monkeypatch.setattr(device, "detect", lambda: "cuda")
+    monkeypatch.setattr(device.Device, "count", lambda self: 1 if self.kind == "cuda" else 2)
+    assert pick_device("auto", 1) == "cuda"
+    assert pick_device("auto", 2) == "cpu" and "converting on the CPU" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="--device cuda"):
+        pick_device("cuda", 2)
+    assert pick_device("cpu", 4) == "cpu"
