@@ -70,6 +70,7 @@ def sync_config(hf_dir: str, layout: dict, *, rollout_tp: int = 1, rollout_ep: i
 
 def start(cfg):
     """Ray, the training ranks (set up, weights loaded) and one engine, as the driver places them."""
+    import ray
     from transformers import AutoConfig
 
     from dapo_megatron.config import check_model
@@ -79,6 +80,7 @@ def start(cfg):
     placement = place(cfg, cfg.model.path, max_model_len=128)
     try:
         placement.train.setup(1)
+        ray.get([e.num_in_flight.remote() for e in placement.engines])  # engines constructed and serving
     except BaseException:
         release(placement)
         raise
