@@ -46,11 +46,12 @@ def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str, dev
     from dapo_megatron.models import build_model, load_hf_config
     from dapo_megatron.train.parallel import init_parallel
     from dapo_megatron.weights import load_hf_checkpoint
-    init_parallel(_parallel(layout), get_device(device), key="convert")
+    dev = get_device(device)
+    init_parallel(_parallel(layout), dev, key="convert")
     # Every parameter is overwritten by the load: skip Megatron's random init, which on CPU
     # builds each full (unsharded) weight on every rank before slicing it.
     chunks = build_model(load_hf_config(hf_dir), dtype=dtype, perform_initialization=False,
-                         device=get_device(device))
+                         device=dev)
     load_hf_checkpoint(chunks, hf_dir, progress=True)
     dist_checkpointing.save({"model": chunks[0].sharded_state_dict()}, out_dir)
 
@@ -66,9 +67,10 @@ def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dic
     from dapo_megatron.models import build_model, load_hf_config
     from dapo_megatron.train.parallel import init_parallel
     from dapo_megatron.weights.export import write_hf_shards
-    init_parallel(_parallel(layout), get_device(device), key="convert")
+    dev = get_device(device)
+    init_parallel(_parallel(layout), dev, key="convert")
     chunks = build_model(load_hf_config(hf_config_dir), dtype=dtype, perform_initialization=False,
-                         device=get_device(device))
+                         device=dev)
     state = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()}, ckpt)
     chunks[0].load_state_dict(state["model"], strict=True)
     bar = tqdm(desc="export", unit="tensor", disable=dist.get_rank() != 0, file=sys.stderr)

@@ -7,7 +7,6 @@ accumulator the driver feeds one generation round at a time.
 from __future__ import annotations
 
 import math
-
 import warnings
 from dataclasses import dataclass
 from typing import Any, Sequence

@@ -84,7 +84,7 @@ def sync_weights(train, engines: list, bucket_mb: int, verify: bool) -> dict:
     """
     as_role("rollout engine", lambda: ray.get([e.begin_weight_update.remote() for e in engines]))
     try:
-        sent, nbytes = as_role("actor", train.push_weights, engines, bucket_mb)
+        sent, nbytes = as_role("actor", train.push_weights, engines, bucket_mb, verify)
     finally:
         as_role("rollout engine", lambda: ray.get([e.finish_weight_update.remote() for e in engines]))
     if verify:

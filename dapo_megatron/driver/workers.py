@@ -77,11 +77,13 @@ class TrainWorker:
     def update(self, batch: RolloutBatch) -> dict:
         return self.actor.update(batch)
 
-    def push_weights(self, engines: list, bucket_mb: int) -> tuple[dict, int]:
+    def push_weights(self, engines: list, bucket_mb: int, checksums: bool) -> tuple[dict, int]:
         """Send the tensors this rank owns (weights/sync.py) into every engine; returns their
-        checksums and bytes. A collective: every rank takes part in the TP / expert-TP gathers."""
+        checksums (with `checksums`) and bytes. A collective: every rank takes part in the TP /
+        expert-TP gathers."""
         from dapo_megatron.weights.sync import push
-        sums, self.sync_plan = push(self.actor.chunks, RayBroadcast(engines), bucket_mb << 20, self.sync_plan)
+        sums, self.sync_plan = push(self.actor.chunks, RayBroadcast(engines), bucket_mb << 20, self.sync_plan,
+                                    checksums=checksums)
         return sums, self.sync_plan.nbytes
 
     def save_hf(self, out_dir: str, shard_mb: int = 2048) -> dict:
@@ -121,10 +123,10 @@ class TrainGroup:
     def update(self, batch_ref) -> dict:
         return self._all([w.update.remote(batch_ref) for w in self.workers])[0]
 
-    def push_weights(self, engines: list, bucket_mb: int) -> tuple[dict, int]:
+    def push_weights(self, engines: list, bucket_mb: int, checksums: bool) -> tuple[dict, int]:
         """Every rank sends what it owns; returns all checksums and the bytes sent per engine."""
         sums, nbytes = {}, 0
-        for part, n in self._all([w.push_weights.remote(engines, bucket_mb) for w in self.workers]):
+        for part, n in self._all([w.push_weights.remote(engines, bucket_mb, checksums) for w in self.workers]):
             sums.update(part)
             nbytes += n
         return sums, nbytes

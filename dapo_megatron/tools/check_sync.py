@@ -25,18 +25,17 @@ DEFAULT_TOL = 1e-3  # fp32; engine vs HF on the same weights measured ~1e-5 on t
 
 
 @torch.no_grad()
+def hf_logprobs(hf_model, prompt: list[int], response: list[int]) -> torch.Tensor:
+    """[T] log-probs of `response` after `prompt` under an HF causal LM (teacher forcing)."""
+    ids = torch.tensor([prompt + response])
+    logp = torch.log_softmax(hf_model(ids).logits[0, len(prompt) - 1:-1].float(), -1)  # [T, V]
+    return logp.gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
 def max_logprob_diff(groups, hf_model) -> float:
     """Max |engine log-prob - HF log-prob| over every sampled token of `groups` (RolloutGroups)."""
-    worst = 0.0
-    for g in groups:
-        for response, engine_lp in zip(g.responses, g.rollout_logprobs):
-            if not response:
-                continue
-            ids = torch.tensor([g.prompt + response])
-            logp = torch.log_softmax(hf_model(ids).logits[0, len(g.prompt) - 1:-1].float(), -1)  # [T, V]
-            hf_lp = logp.gather(-1, torch.tensor(response)[:, None])[:, 0]
-            worst = max(worst, (hf_lp - torch.tensor(engine_lp)).abs().max().item())
-    return worst
+    return max((float((hf_logprobs(hf_model, g.prompt, r) - torch.tensor(lp)).abs().max())
+                for g in groups for r, lp in zip(g.responses, g.rollout_logprobs) if r), default=0.0)
 
 
 def random_batch(n_prompts: int, n: int, vocab: int, seed: int = 0):

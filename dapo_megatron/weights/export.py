@@ -118,6 +118,14 @@ def export_hf(model_chunks, bucket_bytes: int = 1 << 30,
     yield from bucketize(iter_hf_tensors(model_chunks, experts), bucket_bytes)
 
 
+def is_dense_owner() -> bool:
+    """True on the one rank per pipeline stage (TP rank 0 of DP / CP replica 0) that writes or
+    sends the stage's non-expert tensors; the others hold identical copies after the TP gather."""
+    from megatron.core import parallel_state as mpu
+    return (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
+            and mpu.get_context_parallel_rank() == 0)
+
+
 def write_hf_shards(model_chunks, out_dir: str, shard_bytes: int, on_bucket=None) -> dict:
     """Export into HF safetensors shards in `out_dir`, one writer per pipeline stage (TP rank 0
     of DP / CP replica 0); a collective. Returns {"weight_map", "total_bytes"} on writers, {}
@@ -125,8 +133,7 @@ def write_hf_shards(model_chunks, out_dir: str, shard_bytes: int, on_bucket=None
     from megatron.core import parallel_state as mpu
 
     from dapo_megatron.weights.hf_io import ShardWriter
-    writer = (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
-              and mpu.get_context_parallel_rank() == 0)
+    writer = is_dense_owner()
     shards = ShardWriter(out_dir, f"part-s{mpu.get_pipeline_model_parallel_rank()}", shard_bytes)
     for bucket in export_hf(model_chunks, bucket_bytes=shard_bytes):
         for name, tensor in bucket if writer else ():

@@ -18,7 +18,7 @@ from typing import Iterator, Optional, Protocol
 import torch
 
 from dapo_megatron.rollout.checksum import Checksum, tensor_checksum
-from dapo_megatron.weights.export import bucketize, iter_hf_params
+from dapo_megatron.weights.export import bucketize, is_dense_owner, iter_hf_params
 
 Bucket = list[tuple[str, torch.Tensor]]
 
@@ -36,10 +36,8 @@ class Transport(Protocol):
 def sender_roles() -> tuple[bool, bool]:
     """(sends non-expert tensors, sends its experts) for this rank."""
     from megatron.core import parallel_state as mpu
-    dense = (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
-             and mpu.get_context_parallel_rank() == 0)
     experts = mpu.get_expert_tensor_parallel_rank() == 0 and mpu.get_expert_data_parallel_rank() == 0
-    return dense, experts
+    return is_dense_owner(), experts
 
 
 def owned_tensors(model_chunks) -> Iterator[tuple[str, torch.Tensor]]:
@@ -67,22 +65,26 @@ class SyncPlan:
                                f"sent {self.tensors[name]}")
 
 
-def push(model_chunks, transport: Transport, bucket_bytes: int,
-         plan: Optional[SyncPlan] = None) -> tuple[dict[str, Checksum], SyncPlan]:
-    """Send this rank's tensors through `transport`; returns their checksums and the plan
-    (pass the plan of the first push to later ones)."""
+def push(model_chunks, transport: Transport, bucket_bytes: int, plan: Optional[SyncPlan] = None,
+         checksums: bool = False) -> tuple[dict[str, Checksum], SyncPlan]:
+    """Send this rank's tensors through `transport`; returns the plan (pass the first push's to
+    later ones) and, with `checksums`, per-tensor checksums of what was sent (else {}: they cost
+    a float64 pass over every weight, so only syncs that are verified pay it)."""
     first, plan = plan is None, plan or SyncPlan()
     sums: dict[str, Checksum] = {}
+    sent: set[str] = set()
     for bucket in bucketize(owned_tensors(model_chunks), bucket_bytes):
         for name, t in bucket:
             if first:
                 plan.tensors[name] = (tuple(t.shape), t.dtype)
             else:
                 plan.check(name, t)
+            sent.add(name)
         transport.send(bucket)
-        sums.update((name, tensor_checksum(t)) for name, t in bucket)
+        if checksums:
+            sums.update((name, tensor_checksum(t)) for name, t in bucket)
     transport.flush()
-    missing = sorted(set(plan.tensors) - set(sums))
+    missing = sorted(set(plan.tensors) - sent)
     if missing:
         raise RuntimeError(f"weight sync: {len(missing)} tensors of the first push were not sent, e.g. {missing[:3]}")
     return sums, plan

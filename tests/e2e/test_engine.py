@@ -36,13 +36,6 @@ def hf_greedy(model, prompts, k):
     return out
 
 
-@torch.no_grad()
-def hf_logprobs(model, prompt, response):
-    ids = torch.tensor([prompt + response])
-    logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1:-1].float(), -1)  # [T, V]
-    return logp.gather(-1, torch.tensor(response)[:, None])[:, 0]
-
-
 def _state_dict(path):
     from safetensors.torch import load_file
     return load_file(f"{path}/model.safetensors")
@@ -85,6 +78,7 @@ def _push(engine, state_dict):
 
 
 def test_greedy_and_logprobs_match_hf(setup):
+    from dapo_megatron.tools.check_sync import hf_logprobs
     engine, model = setup["engine"], setup["models"]["A"]
     groups = _greedy(engine)
     assert [g.responses[0] for g in groups] == setup["greedy"]["A"]
