@@ -4,18 +4,20 @@
 
 Generates a random Qwen3-MoE checkpoint of about --size-gb (fp32; wider and deeper than the
 test models), then times, in the same run: a plain copy of its safetensors files (the I/O
-baseline), `convert hf-to-mcore` at --save and `convert mcore-to-hf` at --load, and checks the
-round trip is bit-exact. Peak RSS is sampled per worker process (psutil, every 0.1 s) and shown
-next to the share of the checkpoint that rank wrote and the RSS of an idle worker (imports only);
-in parentheses RSS without file-backed pages (the memory-mapped safetensors count in RSS but
-are page cache the kernel can drop);
-"net GB/s" subtracts that idle worker's start-up time (spawn + imports), a fixed cost per run.
+baseline), `python -m dapo_megatron.convert hf-to-mcore` at --save and `mcore-to-hf` at --load,
+each as a new process like a user's command, and checks the round trip is bit-exact. Peak RSS
+is sampled per rank (psutil, every 0.1 s) and shown next to the share of the checkpoint that
+rank wrote and the RSS of an idle rank (imports only); in parentheses RSS without file-backed
+pages (the memory-mapped safetensors count in RSS but are page cache the kernel can drop).
+"net GB/s" subtracts the wall time of a command whose ranks only start (interpreter, imports,
+forks, process group): the fixed cost of every convert command.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -23,7 +25,8 @@ import time
 
 import psutil
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
 GB = 1e9
 
@@ -54,30 +57,34 @@ def _dir_bytes(path: str, suffix: str = "") -> int:
 
 
 class RssSampler:
-    """Peak RSS of each rank (direct child) and of their helper processes (dist_checkpointing's
-    writer subprocesses), sampled in a background thread."""
+    """Peak RSS of each rank of a `python -m dapo_megatron.convert` process tree, and of their
+    helper processes (dist_checkpointing's writer forks), sampled in a background thread.
 
-    def __init__(self):
+    The tree is: CLI process -> forkserver (run_workers) -> ranks -> helpers."""
+
+    def __init__(self, root_pid: int):
+        self.root = psutil.Process(root_pid)
         self.peak: dict[int, int] = {}
         self.anon_peak: dict[int, int] = {}  # RSS minus file-backed pages (the mmap'd safetensors)
         self.helper_peak = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _ranks(self) -> list:
+        servers = [c for c in self.root.children() if "forkserver" in " ".join(c.cmdline())]
+        return [r for s in servers for r in s.children() if "resource_tracker" not in " ".join(r.cmdline())]
+
     def _run(self):
-        me = psutil.Process()
         while not self._stop.is_set():
-            for child in me.children(recursive=False):
-                try:
-                    if "resource_tracker" in " ".join(child.cmdline()):
-                        continue
-                    mem = child.memory_info()
-                    self.peak[child.pid] = max(self.peak.get(child.pid, 0), mem.rss)
-                    self.anon_peak[child.pid] = max(self.anon_peak.get(child.pid, 0), mem.rss - mem.shared)
-                    for helper in child.children(recursive=True):
+            try:
+                for rank in self._ranks():
+                    mem = rank.memory_info()
+                    self.peak[rank.pid] = max(self.peak.get(rank.pid, 0), mem.rss)
+                    self.anon_peak[rank.pid] = max(self.anon_peak.get(rank.pid, 0), mem.rss - mem.shared)
+                    for helper in rank.children(recursive=True):
                         self.helper_peak = max(self.helper_peak, helper.memory_info().rss)
-                except psutil.Error:
-                    pass
+            except psutil.Error:
+                pass
             time.sleep(0.1)
 
     def __enter__(self):
@@ -89,13 +96,14 @@ class RssSampler:
         self._thread.join()
 
 
-def _idle_worker() -> tuple[int, float]:
-    """(RSS, wall seconds) of a worker that only imports megatron and initialises the parallel
-    state: the fixed start-up cost inside every convert run."""
-    from dapo_megatron.train.parallel import run_workers
+def _idle_worker(world: int) -> tuple[int, float]:
+    """(RSS, wall seconds) of a fresh process that starts `world` workers which only initialise
+    the parallel state: the fixed start-up cost inside every convert command (interpreter,
+    imports in run_workers' forkserver, forks, process group)."""
     t = time.perf_counter()
-    rss = run_workers(_idle_job, 1, timeout_s=300)[0]
-    return rss, time.perf_counter() - t
+    out = subprocess.run([sys.executable, __file__, "--idle-world", str(world)], check=True,
+                         capture_output=True, text=True).stdout
+    return int(out.split()[-1]), time.perf_counter() - t
 
 
 def _idle_job() -> int:
@@ -106,13 +114,15 @@ def _idle_job() -> int:
 
 
 def _timed_convert(argv: list[str]) -> tuple[float, list[str], int]:
-    from dapo_megatron.convert import main as convert_main
-    with RssSampler() as rss:
-        t = time.perf_counter()
-        code = convert_main(argv)
-        seconds = time.perf_counter() - t
-    if code != 0:
-        raise SystemExit(f"convert {' '.join(argv)} failed with exit code {code}")
+    """Run the convert CLI as a user would (a new process), sampling its ranks' memory."""
+    t = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "dapo_megatron.convert", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    with RssSampler(proc.pid) as rss:
+        out, err = proc.communicate()
+    seconds = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise SystemExit(f"convert {' '.join(argv)} failed with exit code {proc.returncode}:\n{err[-2000:]}")
     per_rank = [f"{rss.peak[p] / GB:.2f}({rss.anon_peak[p] / GB:.2f})" for p in sorted(rss.peak, key=rss.peak.get, reverse=True)]
     return seconds, per_rank, rss.helper_peak
 
@@ -123,6 +133,13 @@ def _bit_exact(a_dir: str, b_dir: str) -> bool:
     from dapo_megatron.weights import HFCheckpoint
     a, b = HFCheckpoint(a_dir), HFCheckpoint(b_dir)
     return a.keys() == b.keys() and all(torch.equal(a.read(k), b.read(k)) for k in sorted(a.keys()))
+
+
+def _world(layout: str) -> int:
+    from dapo_megatron.convert import world_for_layout
+    degrees = dict(tp=1, pp=1, ep=1, etp=1)
+    degrees.update({k: int(v) for k, v in (item.split("=") for item in filter(None, layout.split(",")))})
+    return world_for_layout(degrees)
 
 
 def run(args) -> list[tuple]:
@@ -137,7 +154,7 @@ def run(args) -> list[tuple]:
         if f.endswith(".safetensors"):
             shutil.copyfile(os.path.join(hf, f), os.path.join(copy_dir, f))
     copy_s = time.perf_counter() - t
-    idle, startup_s = _idle_worker()
+    idle, startup_s = _idle_worker(_world(args.save))
     save_s, save_rss, save_helper = _timed_convert(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt, "--force", *_layout(args.save)])
     ranks = sorted({f.split("_")[2] for f in os.listdir(ckpt) if f.endswith(".distcp")})
     shards = [sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)
@@ -163,7 +180,15 @@ def main(argv=None) -> int:
     p.add_argument("--save", default="tp=2,ep=2", help="layout of hf-to-mcore, e.g. tp=2,ep=2")
     p.add_argument("--load", default="pp=2", help="layout of mcore-to-hf, e.g. pp=2")
     p.add_argument("--workdir", default=None, help="keep the files here (default: a temp dir, removed)")
-    rows = run(p.parse_args(argv))
+    p.add_argument("--idle-world", type=int, default=0, help=argparse.SUPPRESS)  # internal: _idle_worker
+    args = p.parse_args(argv)
+    if args.idle_world:  # the same order as the convert CLI: start the forkserver, then import
+        from dapo_megatron.train import forkserver
+        forkserver.start()
+        from dapo_megatron.train.parallel import run_workers
+        print(max(run_workers(_idle_job, args.idle_world, timeout_s=300)))
+        return 0
+    rows = run(args)
     print(f"{'step':<12} {'layout':<10} {'seconds':>8} {'GB/s':>6} {'net GB/s':>8}  {'peak RSS(anon)/rank GB':<24} "
           f"{'helper proc GB':<15} shard/rank GB")
     for step, layout, s, gbps, net, rss, helper, shard in rows:

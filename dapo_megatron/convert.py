@@ -40,10 +40,9 @@ def _parallel(layout: dict):
 
 
 def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str, device: str) -> None:
-    from megatron.core import dist_checkpointing
-
     from dapo_megatron.device import get_device
     from dapo_megatron.models import build_model, load_hf_config
+    from dapo_megatron.train.checkpoint import dist_save
     from dapo_megatron.train.parallel import init_parallel
     from dapo_megatron.weights import load_hf_checkpoint
     dev = get_device(device)
@@ -53,7 +52,7 @@ def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str, dev
     chunks = build_model(load_hf_config(hf_dir), dtype=dtype, perform_initialization=False,
                          device=dev)
     load_hf_checkpoint(chunks, hf_dir, progress=True)
-    dist_checkpointing.save({"model": chunks[0].sharded_state_dict()}, out_dir)
+    dist_save({"model": chunks[0].sharded_state_dict()}, out_dir)
 
 
 def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dict, dtype: str,
@@ -71,12 +70,30 @@ def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dic
     init_parallel(_parallel(layout), dev, key="convert")
     chunks = build_model(load_hf_config(hf_config_dir), dtype=dtype, perform_initialization=False,
                          device=dev)
-    state = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()}, ckpt)
-    chunks[0].load_state_dict(state["model"], strict=True)
+    state = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()}, ckpt)["model"]
+    _adopt(chunks[0], state)
+    chunks[0].load_state_dict(state, strict=True)  # checks the keys; adopted tensors copy onto themselves
+    del state
     bar = tqdm(desc="export", unit="tensor", disable=dist.get_rank() != 0, file=sys.stderr)
     result = write_hf_shards(chunks, out_dir, shard_bytes, on_bucket=lambda b: bar.update(len(b)))
     bar.close()
     return result
+
+
+def _adopt(chunk, loaded: dict) -> None:
+    """Point parameters at the tensors dist_checkpointing returned instead of copying them.
+
+    Megatron loads many tensors in place, but merges others (fused gate/up of every expert) into
+    new tensors; copying those into the parameters held both, ~1.7x the stage's weights. The
+    parameters were never written (no init), so their memory is not resident and is just freed.
+    """
+    import torch
+    params = chunk.state_dict(keep_vars=True)
+    for name, tensor in loaded.items():
+        param = params.get(name)
+        if (isinstance(param, torch.nn.Parameter) and isinstance(tensor, torch.Tensor)
+                and tensor.shape == param.shape and tensor.dtype == param.dtype and tensor.device == param.device):
+            param.data = tensor
 
 
 # --------------------------------------------------------------------------------------------
@@ -248,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from dapo_megatron.train import forkserver
+    forkserver.start()  # the workers' imports run while this process checks the input
     from dapo_megatron.train.parallel import WorkerError
     from dapo_megatron.weights.hf_io import CheckpointError
     try:

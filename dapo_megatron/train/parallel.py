@@ -123,8 +123,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+def _worker(rank: int, world: int, port: int, env: dict, fn, args, queue) -> None:
+    # A forkserver child inherits the server's environment, not the caller's: restore the
+    # caller's as of run_workers (tests and launchers set variables right before).
+    os.environ.clear()
+    os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if not get_device().is_accelerator:  # N processes share the cores; oversubscription is slow
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
@@ -137,15 +140,16 @@ def _worker(rank: int, world: int, port: int, fn, args, queue) -> None:
 
 
 def run_workers(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
-    """Run `fn(*args)` in `world_size` spawned processes (RANK/WORLD_SIZE/MASTER_* set for
+    """Run `fn(*args)` in `world_size` new processes (RANK/WORLD_SIZE/MASTER_* set for
     `init_parallel`); returns their results by rank. On a failure the other workers, which may
     be blocked in a collective, are killed and WorkerError carries the lowest failing rank's
     message. A run longer than `timeout_s` is killed and raises TimeoutError.
     """
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue)) for r in range(world_size)]
+    from dapo_megatron.train.forkserver import context
+    ctx = context()
+    queue, port, env = ctx.Queue(), free_port(), dict(os.environ)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, env, fn, args, queue))
+             for r in range(world_size)]
     for p in procs:
         p.start()
     results, failures = {}, {}

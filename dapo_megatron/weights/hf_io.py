@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 
@@ -76,34 +77,80 @@ class HFCheckpoint:
         self._handles.clear()
 
 
+_ST_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
+              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+              torch.uint8: "U8", torch.bool: "BOOL"}
+
+
 class ShardWriter:
-    """Writes (name, tensor) pairs into safetensors files of at most ~max_bytes each."""
+    """Writes (name, tensor) pairs into safetensors files of at most ~max_bytes each, streaming.
+
+    A safetensors file is its header (names, dtypes, shapes, offsets) followed by the bytes, so
+    a writer that must know every tensor before writing holds a whole file in memory (4 GB at
+    the default --shard-mb). Here each tensor's bytes go to a spill file as it arrives; `flush`
+    writes the header and appends the spill (an in-kernel copy), so memory stays at one tensor.
+    """
 
     def __init__(self, out_dir: str, prefix: str, max_bytes: int):
         self.out_dir, self.prefix, self.max_bytes = out_dir, prefix, max_bytes
-        self.pending: dict = {}
+        self.pending: dict[str, dict] = {}  # name -> header entry of the file being written
         self.pending_bytes = 0
         self.files: list[str] = []
         self.weight_map: dict[str, str] = {}
         self.total_bytes = 0
+        self._spill = None
+
+    def _file(self) -> str:
+        return f"{self.prefix}-{len(self.files):05d}.safetensors"
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
+        if tensor.dtype not in _ST_DTYPES:
+            raise ValueError(f"tensor {name}: dtype {tensor.dtype} has no safetensors name")
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + nbytes > self.max_bytes:
             self.flush()
-        self.pending[name] = tensor.detach().to("cpu").contiguous()
+        if self._spill is None:
+            self._spill = open(os.path.join(self.out_dir, self._file() + ".data"), "wb")
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        self._spill.write(memoryview(data))
+        self.pending[name] = {"dtype": _ST_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                              "data_offsets": [self.pending_bytes, self.pending_bytes + nbytes]}
         self.pending_bytes += nbytes
         self.total_bytes += nbytes
 
     def flush(self) -> None:
         if not self.pending:
             return
-        from safetensors.torch import save_file
-        file = f"{self.prefix}-{len(self.files):05d}.safetensors"
-        save_file(self.pending, os.path.join(self.out_dir, file), metadata={"format": "pt"})
+        file = self._file()
+        path = os.path.join(self.out_dir, file)
+        self._spill.close()
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.pending}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+        with open(path, "wb") as out, open(path + ".data", "rb") as spill:
+            out.write(len(header).to_bytes(8, "little") + header)
+            out.flush()
+            _append(spill, out, self.pending_bytes)
+        os.remove(path + ".data")
         self.files.append(file)
         self.weight_map.update({k: file for k in self.pending})
-        self.pending, self.pending_bytes = {}, 0
+        self.pending, self.pending_bytes, self._spill = {}, 0, None
+
+
+def _append(src, dst, nbytes: int) -> None:
+    """Append the first `nbytes` of file `src` (at position 0) to file `dst` (at its position)."""
+    start = dst.tell()
+    try:
+        done = 0
+        while done < nbytes:  # in the kernel: no pass through this process's memory
+            n = os.copy_file_range(src.fileno(), dst.fileno(), nbytes - done)
+            if n == 0:
+                raise OSError(f"copy_file_range stopped at {done} of {nbytes} bytes")
+            done += n
+    except OSError:  # not supported here (kernel, filesystem): copy through user space
+        src.seek(0)
+        dst.seek(start)
+        dst.truncate()
+        shutil.copyfileobj(src, dst, 16 << 20)
 
 
 def finalize_shards(out_dir: str, weight_map: dict[str, str], total_bytes: int) -> None:

@@ -1,6 +1,6 @@
-"""Worker jobs for the actor / reference / checkpoint tests; each runs on every rank of a spawned
-gloo group (see `train.parallel.run_workers`). Several checks share one job per layout because a
-spawn costs seconds of imports.
+"""Worker jobs for the actor / reference / checkpoint tests; each runs on every rank of a local
+gloo group (see `train.parallel.run_workers`). Several checks share one job per layout because
+each job starts processes, a gloo group and the models.
 """
 from __future__ import annotations
 

@@ -1,13 +1,26 @@
-"""Worker jobs for the distributed tests: each runs on every rank of a spawned gloo group.
-
-Several checks are grouped into one job per layout, because a spawn costs ~5-10 s of imports.
-"""
+"""Worker jobs for the distributed tests: each runs on every rank of a local gloo group
+(`train.parallel.run_workers`). Several checks are grouped into one job per layout, because
+every job starts processes and a gloo group."""
 from __future__ import annotations
 
 import torch
 
 from checkpoint_tools.verify import megatron_logits
 from dapo_megatron.config.schema import ParallelConfig
+
+
+def environment_probe() -> dict:
+    """What a rank sees at the start of its job (test_run_workers)."""
+    import os
+    import sys
+    return dict(marker=os.environ.get("DAPO_TEST_MARKER"), rank=os.environ["RANK"], world=os.environ["WORLD_SIZE"],
+                pid=os.getpid(), megatron_before_call="megatron.core.parallel_state" in sys.modules)
+
+
+def fail_on_rank(bad_rank: int) -> None:
+    import os
+    if int(os.environ["RANK"]) == bad_rank:
+        raise ValueError(f"rank {bad_rank} says no")
 
 
 def _build(hf_dir: str, dtype: str = "fp32"):

@@ -1,8 +1,8 @@
 """Actor / reference log-probs and the DAPO update agree across TP / PP / VPP / EP layouts, with
 HF transformers, and across micro-batch splits.
 
-One spawn per layout runs every check of that layout (a spawn costs ~5-10 s of imports); the
-results are cached per module and the tests below only compare.
+One `run_workers` job per layout runs every check of that layout (each job starts processes
+and builds the models); the results are cached per module and the tests below only compare.
 """
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """HF -> Megatron (sharded) -> HF is bit-exact and Megatron logits match HF transformers.
 
-One spawned job per layout runs every check for several tiny models (spawns cost seconds).
+One job per layout runs every check for several tiny models (each job starts a gloo group).
 """
 import pytest
 import torch

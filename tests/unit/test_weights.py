@@ -118,3 +118,39 @@ def test_every_fused_or_sharded_row_has_a_tp_dim():
         for mcore, (kind, _) in name_map.mcore_to_hf_table(model_type).items():
             if kind != "copy" or "linear" in mcore or mcore in name_map.VOCAB_PARAMS:
                 assert mcore in name_map.TP_DIM, mcore
+
+
+def test_shard_writer_streams_files_safetensors_reads(tmp_path, monkeypatch):
+    import json
+    import os
+
+    from safetensors import safe_open
+
+    from dapo_megatron.weights import hf_io
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(6).reshape(2, 3),
+               "d": torch.randn(4, 4, dtype=torch.float16).t(), "e": torch.zeros(0, 3), "f": torch.tensor([True, False])}
+    for kernel_copy in (True, False):
+        out = tmp_path / f"kernel_copy_{kernel_copy}"
+        out.mkdir()
+        if not kernel_copy:  # the user-space fallback, as on filesystems without copy_file_range
+            monkeypatch.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError("EXDEV")))
+        writer = hf_io.ShardWriter(str(out), "part", max_bytes=80)  # "a" alone fills a file
+        for name, t in tensors.items():
+            writer.add(name, t)
+        writer.flush()
+        hf_io.finalize_shards(str(out), writer.weight_map, writer.total_bytes)
+        files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+        assert len(files) >= 2 and not [f for f in os.listdir(out) if f.endswith(".data")]
+        index = json.loads((out / hf_io.INDEX).read_text())
+        assert set(index["weight_map"]) == set(tensors)
+        for name, t in tensors.items():
+            with safe_open(str(out / index["weight_map"][name]), framework="pt") as f:
+                got = f.get_tensor(name)
+                assert got.dtype == t.dtype and torch.equal(got, t), name
+                assert f.metadata() == {"format": "pt"}
+
+
+def test_shard_writer_names_an_unsupported_dtype(tmp_path):
+    from dapo_megatron.weights import hf_io
+    with pytest.raises(ValueError, match="tensor z: dtype torch.complex64"):
+        hf_io.ShardWriter(str(tmp_path), "part", 1 << 20).add("z", torch.zeros(2, dtype=torch.complex64))

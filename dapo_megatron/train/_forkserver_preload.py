@@ -1,0 +1,11 @@
+"""Imported once by the forkserver of `train.forkserver`, so that every rank forked from it
+starts with these imports done. Nothing here may start a thread or touch a device: the server
+must stay single-threaded for its forks to be safe."""
+import megatron.core.dist_checkpointing  # noqa: F401
+import megatron.core.models.gpt  # noqa: F401
+import megatron.core.parallel_state  # noqa: F401
+from transformers import AutoConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig  # noqa: F401
+
+import dapo_megatron.models.gpt  # noqa: F401
+import dapo_megatron.weights.export  # noqa: F401
+import dapo_megatron.weights.load  # noqa: F401
