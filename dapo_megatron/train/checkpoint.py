@@ -164,6 +164,7 @@ def dist_save(sharded_state_dict: dict, path: str) -> None:
     `multiprocessing.Manager` that it starts with "spawn" on a process's first save: a fresh
     interpreter per rank, ~4 s of the 6 s that saving 1 GB took on our 2-core CPU. A synchronous
     save runs the writer in the calling process, so a plain queue carries the same results.
+    (An async save, which we never use, runs the writer elsewhere and would need the Manager.)
     """
     import queue
 
