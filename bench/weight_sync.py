@@ -1,14 +1,17 @@
 """Weight sync, actor -> vLLM engine: time and bytes per sync by model size and actor layout.
 
     python bench/weight_sync.py [--sizes 10,50,200] [--layouts tp2,ep2,tp2xep2] [--repeats 3]
+                                [--transports object_store,broadcast]
 
 For each size (Qwen3-MoE, 8 experts, fp32, random init) and actor layout, the driver's own path
-(`driver.setup.sync_weights`: pause -> each rank sends what it owns through the Ray transport ->
+(`driver.setup.sync_weights`: pause -> each rank sends what it owns through `rollout.sync.transport` ->
 post-process -> reset prefix cache -> resume) into one in-process vLLM engine, next to, in the
 same run: (a) a raw transfer of the same bytes over the same transport (a worker `ray.put`s
 buckets of the same size, another actor receives them) and (b) a memcpy of the same bytes.
 Bytes moved = bytes the engine received; the minimum is the HF model size (each engine rank
-receives each of its bytes once).
+receives each of its bytes once). `--transports` (rollout.sync.transport) adds rows for the
+broadcast transport, whose raw transfer is a broadcast of the same buckets over its own kind of
+group (gloo on CPU) between two Ray actors.
 """
 from __future__ import annotations
 
@@ -65,6 +68,38 @@ def _raw_transfer(nbytes: int, bucket_bytes: int, repeats: int) -> float:
     return sec
 
 
+def _raw_broadcast(nbytes: int, bucket_bytes: int, repeats: int, device: str) -> float:
+    """Seconds to broadcast `nbytes` in flat buckets from one Ray actor to another over the
+    broadcast transport's own group (weights/collective.py), without headers or loading."""
+    import ray
+    import torch
+    from dapo_megatron.device import get_device
+    from dapo_megatron.driver.workers import _free_port
+    from dapo_megatron.weights import collective
+
+    @ray.remote(num_cpus=0)
+    class Peer:
+        def run(self, address, rank: int, sizes: list[int], repeats: int) -> list[float]:
+            dev = get_device(device)
+            group = collective.connect(dev, *address, rank=rank, size=2)
+            buffers = [torch.ones(n, dtype=torch.uint8, device=dev.current_device()) for n in sizes]
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for b in buffers:
+                    group.broadcast(b, 0).wait()
+                times.append(time.perf_counter() - t0)
+            return times
+
+    sizes = [min(bucket_bytes, nbytes - s) for s in range(0, nbytes, bucket_bytes)]
+    address = (ray.util.get_node_ip_address(), _free_port())
+    peers = [Peer.remote(), Peer.remote()]
+    times = ray.get([p.run.remote(address, r, sizes, repeats) for r, p in enumerate(peers)])[1]
+    for peer in peers:
+        ray.kill(peer)
+    return statistics.median(times)
+
+
 def _memcpy(nbytes: int, repeats: int) -> float:
     import torch
     src = torch.ones(nbytes // 4)
@@ -78,6 +113,7 @@ def main() -> None:
     p.add_argument("--layouts", default="tp2,ep2,tp2xep2", help=f"actor layouts, of {sorted(LAYOUTS)}")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--device", default="auto")
+    p.add_argument("--transports", default="object_store", help="rollout.sync.transport values to run")
     args = p.parse_args()
 
     import ray
@@ -94,26 +130,29 @@ def main() -> None:
             ckpt = HFCheckpoint(path)
             model_bytes = sum(math.prod(ckpt.shape(k)) * 4 for k in ckpt.keys())  # fp32
             params_m = model_bytes / 4 / 1e6
-            for name in args.layouts.split(","):
-                cfg = sync_config(path, LAYOUTS[name], device=args.device)
+            for name, transport in ((n, t) for n in args.layouts.split(",") for t in args.transports.split(",")):
+                cfg = sync_config(path, LAYOUTS[name], device=args.device, transport=transport)
                 bucket_bytes = cfg.rollout.sync.bucket_mb << 20
                 placement = start(cfg)
                 try:
-                    sync = lambda: sync_weights(placement.train, placement.engines, cfg.rollout.sync.bucket_mb,
+                    sync = lambda: sync_weights(placement.train, placement.engines, cfg.rollout.sync,
                                                 verify=False)
                     first, _ = _median_time(sync, 1)  # records the sync plan; vLLM's reload set-up
                     sec, out = _median_time(sync, args.repeats)
                 finally:
                     release(placement)
-                raw = _raw_transfer(out["sync/bytes"], bucket_bytes, args.repeats)
+                if transport == "broadcast":
+                    raw = _raw_broadcast(out["sync/bytes"], bucket_bytes, args.repeats, args.device)
+                else:
+                    raw = _raw_transfer(out["sync/bytes"], bucket_bytes, args.repeats)
                 copy = _memcpy(out["sync/bytes"], args.repeats)
                 gb = out["sync/bytes"] / 1e9
-                rows.append((f"{params_m:.0f}M", name, f"{gb * 1e3:.0f}", f"{out['sync/bytes'] / model_bytes:.2f}",
+                rows.append((f"{params_m:.0f}M", name, transport, f"{gb * 1e3:.0f}", f"{out['sync/bytes'] / model_bytes:.2f}",
                              f"{first:.2f}", f"{sec:.2f}", f"{gb / sec:.2f}", f"{raw:.2f}", f"{sec / raw:.2f}",
                              f"{copy:.3f}"))
                 print(" | ".join(rows[-1]), flush=True)
     ray.shutdown()
-    head = ("params", "actor", "MB moved", "moved/min", "1st sync s", "sync s", "GB/s", "raw s", "sync/raw",
+    head = ("params", "actor", "transport", "MB moved", "moved/min", "1st sync s", "sync s", "GB/s", "raw s", "sync/raw",
             "memcpy s")
     print("\nweight sync into one vLLM engine (median of", args.repeats, "syncs)")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))

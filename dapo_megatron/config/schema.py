@@ -97,6 +97,9 @@ class SamplingKwargs:
 class SyncConfig:
     bucket_mb: int = 1024
     verify_every: int = 0  # checksum engines vs trainer every N syncs; 0: never (tests force 1)
+    # object_store: buckets through Ray's object store (host memory). broadcast: one process
+    # group per sending trainer rank with the engines (gloo on CPU, NCCL / HCCL on devices).
+    transport: str = "object_store"
 
 
 @dataclass

@@ -29,7 +29,7 @@ CHOICES: dict[str, tuple] = {
     "rollout.name": ("vllm",),
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
-
+SYNC_TRANSPORTS = ("object_store", "broadcast")  # rollout.sync.transport
 
 def _get(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
@@ -138,11 +138,13 @@ def _check_layouts(cfg: DapoConfig) -> None:
              f"rollout.parallel.ep ({r.ep}) must be 1 or equal rollout.parallel.tp ({r.tp}): vLLM spreads "
              f"experts over the engine's tensor-parallel ranks")
     _require(r.pp == 1, "rollout.parallel.pp", "rollout.parallel.pp must be 1 (engines use TP and EP)")
-    # Engine checksums read one worker's whole model; TP-sharded engines log rollout/logprob_diff_*
-    # against the actor every step instead (a wrong sync shows there as a jump).
-    _require(cfg.rollout.sync.verify_every == 0 or r.tp == 1, "rollout.sync.verify_every",
-             f"rollout.sync.verify_every ({cfg.rollout.sync.verify_every}) needs rollout.parallel.tp == 1 (engine "
-             f"checksums are not implemented for TP-sharded engines); set rollout.sync.verify_every=0")
+    # Engine checksums merge the TP workers' slices; experts spread over EP ranks would need vLLM's
+    # expert map, untestable on CPU, so EP engines rely on rollout/logprob_diff_* every step.
+    _require(cfg.rollout.sync.verify_every == 0 or r.ep == 1, "rollout.sync.verify_every",
+             f"rollout.sync.verify_every ({cfg.rollout.sync.verify_every}) needs rollout.parallel.ep == 1 (engine "
+             f"checksums are not implemented for expert-parallel engines); set rollout.sync.verify_every=0")
+    _require(cfg.rollout.sync.transport in SYNC_TRANSPORTS, "rollout.sync.transport",
+             f"rollout.sync.transport ({cfg.rollout.sync.transport!r}) must be one of {', '.join(SYNC_TRANSPORTS)}")
     fit = devices["rollout"] // r.tp
     _require(0 <= cfg.rollout.num_engines <= fit, "rollout.num_engines",
              f"rollout.num_engines ({cfg.rollout.num_engines}) must be in [0, {fit}]: {devices['rollout']} engine "

@@ -72,6 +72,24 @@ class Device:
     def torch_device(self, local_rank: int = 0) -> torch.device:
         return torch.device(self.kind, local_rank) if self.is_accelerator else torch.device("cpu")
 
+    def current_device(self) -> torch.device:
+        """The device this process computes on (after `set_device`)."""
+        return torch.device(self.kind, self._module().current_device()) if self.is_accelerator else torch.device("cpu")
+
+    def new_group(self, store, rank: int, size: int, timeout):
+        """A process group over `store`, outside the default one (weight sync between trainer
+        and engine processes): gloo on CPU, NCCL on CUDA, HCCL on NPU."""
+        import torch.distributed as dist
+        if self.kind == "cpu":
+            return dist.ProcessGroupGloo(store, rank, size, timeout)
+        if self.kind == "cuda":
+            pg_class = dist.ProcessGroupNCCL
+        else:
+            from torch_npu._C._distributed_c10d import ProcessGroupHCCL as pg_class
+        options = pg_class.Options()
+        options._timeout = timeout
+        return pg_class(store, rank, size, options)
+
     def set_device(self, local_rank: int) -> None:
         if self.is_accelerator:
             self._module().set_device(local_rank)

@@ -75,7 +75,7 @@ def train_step(run: Run) -> dict:
         metrics = ctx.train.update(ray.put(batch))
     with run.timed("sync"):
         run.syncs += 1
-        metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync.bucket_mb,
+        metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync,
                                           verify=setup.verify_due(cfg, run.syncs)))
     metrics.update(collected.metrics, **run.scorer.pop_metrics())
     metrics.update(rollout_logprob_metrics(batch.rollout_logprobs, batch.old_logprobs, mask))

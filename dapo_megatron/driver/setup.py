@@ -9,6 +9,7 @@ from typing import Callable
 import ray
 
 from dapo_megatron.config import DapoConfig, check_model
+from dapo_megatron.config.schema import SyncConfig
 from dapo_megatron.data.dataset import PromptDataset
 from dapo_megatron.driver.collect import RewardScorer
 from dapo_megatron.driver.placement import Placement, init_ray, place
@@ -75,7 +76,7 @@ def verify_due(cfg: DapoConfig, syncs: int) -> bool:
     return every > 0 and syncs % every == 0
 
 
-def sync_weights(train, engines: list, bucket_mb: int, verify: bool) -> dict:
+def sync_weights(train, engines: list, sync: SyncConfig, verify: bool) -> dict:
     """Actor -> engines: pause, load every bucket, post-process, reset prefix cache, resume.
 
     With `verify`, per-tensor checksums of what each engine holds must equal what was sent; a
@@ -84,7 +85,7 @@ def sync_weights(train, engines: list, bucket_mb: int, verify: bool) -> dict:
     """
     as_role("rollout engine", lambda: ray.get([e.begin_weight_update.remote() for e in engines]))
     try:
-        sent, nbytes = as_role("actor", train.push_weights, engines, bucket_mb, verify)
+        sent, nbytes = as_role("actor", train.push_weights, engines, sync.bucket_mb, verify, sync.transport)
     finally:
         as_role("rollout engine", lambda: ray.get([e.finish_weight_update.remote() for e in engines]))
     if verify:
@@ -142,7 +143,7 @@ def resume(run) -> None:
     run.step, run.syncs = state["step"], state["syncs"]
     run.prompts.load_state_dict(state["prompts"])
     run.sampler.load_state_dict(state["dynamic_sampling"])
-    sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync.bucket_mb,
+    sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync,
                  verify=run.cfg.rollout.sync.verify_every > 0)  # engines start from the HF weights
     print(f"resumed from {path} at step {run.step}", flush=True)
 

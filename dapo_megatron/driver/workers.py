@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import Optional
+
 import ray
 
 from dapo_megatron.batch import RolloutBatch
@@ -56,7 +58,7 @@ class TrainWorker:
         from dapo_megatron.train.parallel import init_parallel
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.rank % self.cfg.trainer.n_gpus_per_node))
-        device = get_device(self.cfg.trainer.device)
+        self.device = device = get_device(self.cfg.trainer.device)
         device.setup_process(self.cfg.trainer.n_gpus_per_node)
         info = init_parallel(self.cfg.actor.parallel, device, seed=self.cfg.trainer.seed)
         c = self.cfg
@@ -77,13 +79,29 @@ class TrainWorker:
     def update(self, batch: RolloutBatch) -> dict:
         return self.actor.update(batch)
 
-    def push_weights(self, engines: list, bucket_mb: int, checksums: bool) -> tuple[dict, int]:
+    def sync_address(self) -> Optional[tuple[str, int]]:
+        """Where this rank will host its broadcast group for a weight sync, or None when it
+        sends nothing (weights/sync.sender_roles)."""
+        from dapo_megatron.weights.sync import sender_roles
+        return (ray.util.get_node_ip_address(), _free_port()) if any(sender_roles()) else None
+
+    def push_weights(self, engines: list, bucket_mb: int, checksums: bool,
+                     address: Optional[tuple[str, int]] = None) -> tuple[dict, int]:
         """Send the tensors this rank owns (weights/sync.py) into every engine; returns their
         checksums (with `checksums`) and bytes. A collective: every rank takes part in the TP /
-        expert-TP gathers."""
+        expert-TP gathers. With `address` the buckets go over this rank's broadcast group
+        (weights/collective.py), else through the object store."""
+        from dapo_megatron.weights import collective
         from dapo_megatron.weights.sync import push
-        sums, self.sync_plan = push(self.actor.chunks, RayBroadcast(engines), bucket_mb << 20, self.sync_plan,
+        if address is None:  # also a rank that sends nothing in broadcast mode: it only gathers
+            transport = RayBroadcast(engines)
+        else:
+            group = collective.connect(self.device, *address, rank=0, size=len(engines) + 1)
+            transport = collective.BroadcastSender(group, self.device)
+        sums, self.sync_plan = push(self.actor.chunks, transport, bucket_mb << 20, self.sync_plan,
                                     checksums=checksums)
+        if address is not None:
+            transport.close()
         return sums, self.sync_plan.nbytes
 
     def save_hf(self, out_dir: str, shard_mb: int = 2048) -> dict:
@@ -123,12 +141,23 @@ class TrainGroup:
     def update(self, batch_ref) -> dict:
         return self._all([w.update.remote(batch_ref) for w in self.workers])[0]
 
-    def push_weights(self, engines: list, bucket_mb: int, checksums: bool) -> tuple[dict, int]:
-        """Every rank sends what it owns; returns all checksums and the bytes sent per engine."""
+    def push_weights(self, engines: list, bucket_mb: int, checksums: bool,
+                     transport: str = "object_store") -> tuple[dict, int]:
+        """Every rank sends what it owns; returns all checksums and the bytes sent per engine.
+        With the broadcast transport each sending rank hosts a group that every engine joins
+        (one receiving thread per sender) while the ranks push."""
+        addresses, receiving = [None] * len(self.workers), []
+        if transport == "broadcast":
+            addresses = self._all([w.sync_address.remote() for w in self.workers])
+            senders = [a for a in addresses if a is not None]
+            receiving = [e.receive_weights.remote(a, i + 1, len(engines) + 1) for a in senders
+                         for i, e in enumerate(engines)]
         sums, nbytes = {}, 0
-        for part, n in self._all([w.push_weights.remote(engines, bucket_mb, checksums) for w in self.workers]):
+        pushes = [w.push_weights.remote(engines, bucket_mb, checksums, a) for w, a in zip(self.workers, addresses)]
+        for part, n in self._all(pushes):
             sums.update(part)
             nbytes += n
+        ray.get(receiving)
         return sums, nbytes
 
     def save_hf(self, out_dir: str) -> tuple[dict, int]:

@@ -12,7 +12,9 @@ from typing import Optional
 from dapo_megatron.device import get_device
 from dapo_megatron.rollout.engine import Engine
 
-MAX_CONCURRENCY = 16  # concurrent actor calls: poll + submit + abort + weight pushes
+# Concurrent actor calls: poll + submit + abort + weight pushes, and with the broadcast sync
+# transport one blocking `receive_weights` per sending trainer rank (EP ranks x PP stages).
+MAX_CONCURRENCY = 64
 
 
 def engine_actor(model_path: str, cfg, *, dtype: str = "bf16", max_model_len: int = 4096,

@@ -49,6 +49,44 @@ def tensor_checksum(t: torch.Tensor) -> Checksum:
     return Checksum(total, weighted, abs_total, flat.numel())
 
 
+@torch.no_grad()
+def shard_checksum(t: torch.Tensor, full_shape: tuple[int, ...], dim: int, offset: int) -> Checksum:
+    """Partial checksum of `t` = full.narrow(dim, offset, t.shape[dim]), a slice of a tensor of
+    `full_shape` (a TP-sharded engine worker's piece). Position weights follow each element's
+    flat index in the full tensor, so the partials of disjoint slices that cover it add up
+    (`merge_checksums`) to its `tensor_checksum`, up to float64 rounding."""
+    if tuple(t.shape) == tuple(full_shape):
+        return tensor_checksum(t)
+    strides = torch.empty(full_shape, device="meta").stride()
+    rows = max(1, _CHUNK // max(1, t[0].numel()))  # blocks along dim 0 bound the index memory
+    total = weighted = abs_total = 0.0
+    for r0 in range(0, t.shape[0], rows):
+        block = t[r0:r0 + rows].detach()
+        index = torch.zeros((), dtype=torch.int64, device=t.device)
+        for k, n in enumerate(block.shape):
+            start = (r0 if k == 0 else 0) + (offset if k == dim else 0)
+            view = [1] * block.dim()
+            view[k] = n
+            index = index + ((torch.arange(n, device=t.device) + start) * strides[k]).view(view)
+        weights = ((index % _PERIOD) * _MULT % _PERIOD).to(torch.float64) / _PERIOD + 0.5
+        x = block.to(torch.float64)
+        total += x.sum().item()
+        weighted += (x * weights).sum().item()
+        abs_total += x.abs().sum().item()
+    return Checksum(total, weighted, abs_total, t.numel())
+
+
+def merge_checksums(parts: Iterable[dict[str, Checksum]]) -> dict[str, Checksum]:
+    """{hf_name: Checksum} of the full tensors from each worker's {hf_name: partial}: fields add
+    up, so a missing or doubled slice shows as a wrong `numel` and sums."""
+    merged: dict[str, Checksum] = {}
+    for part in parts:
+        for name, c in part.items():
+            c = Checksum(*c)
+            merged[name] = c if name not in merged else Checksum(*(a + b for a, b in zip(merged[name], c)))
+    return merged
+
+
 def state_dict_checksums(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, Checksum]:
     """{hf_name: Checksum} of `(hf_name, tensor)` pairs, e.g. a state dict's `.items()` or a bucket."""
     return {name: tensor_checksum(t) for name, t in named_tensors}

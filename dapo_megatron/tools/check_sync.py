@@ -52,7 +52,7 @@ def random_batch(n_prompts: int, n: int, vocab: int, seed: int = 0):
 
 
 def sync_config(hf_dir: str, layout: dict, *, rollout_tp: int = 1, rollout_ep: int = 1, dtype: str = "fp32",
-                device: str = "auto"):
+                device: str = "auto", transport: str = "object_store"):
     """The quickstart config around `hf_dir` with the actor at `layout` ({tp, pp, ep, etp}) on
     the smallest world that fits it, one engine, checksums on where the engine supports them."""
     from dapo_megatron.config import load_config
@@ -62,7 +62,8 @@ def sync_config(hf_dir: str, layout: dict, *, rollout_tp: int = 1, rollout_ep: i
     return load_config("quickstart", [
         f"model.path={hf_dir}", f"model.dtype={dtype}", f"trainer.device={device}",
         f"trainer.n_gpus_per_node={world_for_layout(layout)}", *parallel, f"rollout.parallel.tp={rollout_tp}",
-        f"rollout.parallel.ep={rollout_ep}", f"rollout.sync.verify_every={int(rollout_tp == 1)}",
+        f"rollout.parallel.ep={rollout_ep}", f"rollout.sync.verify_every={int(rollout_ep == 1)}",
+        f"rollout.sync.transport={transport}",
         "rollout.n=2", "data.train_batch_size=2", "data.gen_batch_size=2", "actor.ppo_mini_batch_size=2",
         "data.max_prompt_length=32", "data.max_response_length=32", "actor.optim.lr=1e-2"])
 
@@ -108,7 +109,7 @@ def check_sync(hf_dir: str, args) -> dict:
     from dapo_megatron.weights import HFCheckpoint
     from dapo_megatron.weights.hf_io import finalize_shards
     cfg = sync_config(hf_dir, dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp), rollout_tp=args.rollout_tp,
-                      rollout_ep=args.rollout_ep, dtype=args.dtype, device=args.device)
+                      rollout_ep=args.rollout_ep, dtype=args.dtype, device=args.device, transport=args.transport)
     t0 = time.perf_counter()
     placement = start(cfg)
     out: dict = {"setup_s": time.perf_counter() - t0}
@@ -119,9 +120,9 @@ def check_sync(hf_dir: str, args) -> dict:
         batch.old_logprobs = train.compute_logprobs(ray.put(batch))["logprobs"]
         train.update(ray.put(batch))
         t0 = time.perf_counter()
-        sync = setup.sync_weights(train, engines, cfg.rollout.sync.bucket_mb, verify=cfg.rollout.sync.verify_every > 0)
+        sync = setup.sync_weights(train, engines, cfg.rollout.sync, verify=cfg.rollout.sync.verify_every > 0)
         out.update(sync_s=time.perf_counter() - t0, sync_bytes=sync["sync/bytes"],
-                   checksums="compared" if cfg.rollout.sync.verify_every else "not supported (rollout TP > 1)")
+                   checksums="compared" if cfg.rollout.sync.verify_every else "not supported (rollout EP > 1)")
         with tempfile.TemporaryDirectory() as tmp:
             finalize_shards(tmp, *train.save_hf(tmp))
             _copy_aux(hf_dir, tmp, args.dtype)
@@ -147,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollout-ep", type=int, default=1, help="engine expert parallel (1 or rollout-tp)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--device", default="auto", help="cpu | cuda | npu | auto")
+    p.add_argument("--transport", default="object_store", choices=("object_store", "broadcast"),
+                   help="rollout.sync.transport: Ray object store, or a process group per sending rank")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--tol", type=float, default=DEFAULT_TOL)
     return p

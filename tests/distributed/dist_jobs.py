@@ -12,9 +12,8 @@ from dapo_megatron.config.schema import ParallelConfig
 def environment_probe() -> dict:
     """What a rank sees at the start of its job (test_run_workers)."""
     import os
-    import sys
     return dict(marker=os.environ.get("DAPO_TEST_MARKER"), rank=os.environ["RANK"], world=os.environ["WORLD_SIZE"],
-                pid=os.getpid(), megatron_before_call="megatron.core.parallel_state" in sys.modules)
+                pid=os.getpid())
 
 
 def fail_on_rank(bad_rank: int) -> None:
@@ -75,3 +74,40 @@ def _load_error(chunks, hf_dir: str) -> str:
     except CheckpointError as e:
         return str(e)
     return "no error"
+
+
+def broadcast_sync_job(ports: list[int]) -> bytes:
+    """Ranks 0 and 1 each send two buckets over their own group (weights/collective.py) to rank
+    2, which receives both groups at once on two threads, like an engine with two senders."""
+    import os
+    import threading
+
+    from actor_jobs import pack
+    from dapo_megatron.device import get_device
+    from dapo_megatron.weights import collective
+    rank, device = int(os.environ["RANK"]), get_device("cpu")
+    if rank < 2:
+        g = torch.Generator().manual_seed(rank)
+        buckets = [[(f"s{rank}.a", torch.randn(3, 5, generator=g)), (f"s{rank}.b", torch.randn(7, generator=g).bfloat16()),
+                    (f"s{rank}.c", torch.randn(3, generator=g))],  # c follows 14 bytes of b: needs the alignment
+                   [(f"s{rank}.d", torch.arange(5) * (rank + 1)), (f"s{rank}.e", torch.tensor([True, False, True]))]]
+        sender = collective.BroadcastSender(collective.connect(device, "127.0.0.1", ports[rank], 0, 2), device)
+        for bucket in buckets:
+            sender.send(bucket)
+        sender.close()
+        return pack({name: t for bucket in buckets for name, t in bucket})
+    got, lock, counts = {}, threading.Lock(), []
+
+    def load(bucket):
+        with lock:
+            got.update((name, t.clone()) for name, t in bucket)
+        return len(bucket)
+
+    def run(port):
+        counts.append(collective.receive(collective.connect(device, "127.0.0.1", port, 1, 2), device, load))
+    threads = [threading.Thread(target=run, args=(p,)) for p in ports]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return pack(dict(got=got, counts=sorted(counts)))

@@ -1,5 +1,5 @@
-"""`run_workers` ranks are forks of a preloaded forkserver; they still see the caller's
-environment as of the call, and report their failures."""
+"""`run_workers` ranks are forks of a forkserver (train/forkserver.py); they still see the
+caller's environment as of the call, and report their failures."""
 import os
 
 import pytest
@@ -11,7 +11,7 @@ import dist_jobs
 pytestmark = pytest.mark.distributed
 
 
-def test_ranks_see_the_callers_environment_and_preloaded_megatron(monkeypatch):
+def test_ranks_see_the_callers_environment(monkeypatch):
     monkeypatch.setenv("DAPO_TEST_MARKER", "first")
     first = run_workers(dist_jobs.environment_probe, 2, timeout_s=120)
     # Set after the forkserver started: a fork of the server alone would not see it.
@@ -22,9 +22,9 @@ def test_ranks_see_the_callers_environment_and_preloaded_megatron(monkeypatch):
     assert [r["marker"] for r in second] == ["second", "second"]
     assert [r["rank"] for r in second] == ["0", "1"] and all(r["world"] == "2" for r in second)
     assert len({r["pid"] for r in first + second} | {os.getpid()}) == 5
-    assert all(r["megatron_before_call"] for r in second), "the forkserver did not preload megatron-core"
 
 
 def test_a_failing_rank_is_reported_by_rank():
     with pytest.raises(WorkerError, match="rank 1 says no"):
         run_workers(dist_jobs.fail_on_rank, 2, 1, timeout_s=120)
+

