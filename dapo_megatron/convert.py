@@ -75,7 +75,7 @@ def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dic
     chunks[0].load_state_dict(state, strict=True)  # checks the keys; adopted tensors copy onto themselves
     del state
     bar = tqdm(desc="export", unit="tensor", disable=dist.get_rank() != 0, file=sys.stderr)
-    result = write_hf_shards(chunks, out_dir, shard_bytes, on_bucket=lambda b: bar.update(len(b)))
+    result = write_hf_shards(chunks, out_dir, shard_bytes, on_tensor=lambda _: bar.update(1))
     bar.close()
     return result
 

@@ -126,19 +126,21 @@ def is_dense_owner() -> bool:
             and mpu.get_context_parallel_rank() == 0)
 
 
-def write_hf_shards(model_chunks, out_dir: str, shard_bytes: int, on_bucket=None) -> dict:
+def write_hf_shards(model_chunks, out_dir: str, shard_bytes: int, on_tensor=None) -> dict:
     """Export into HF safetensors shards in `out_dir`, one writer per pipeline stage (TP rank 0
     of DP / CP replica 0); a collective. Returns {"weight_map", "total_bytes"} on writers, {}
-    elsewhere: the caller merges them and calls `hf_io.finalize_shards`."""
+    elsewhere: the caller merges them and calls `hf_io.finalize_shards`. Tensor by tensor, not in
+    buckets: the writer spills each to disk at once, so a reshaped copy (QKV, gate/up) lives only
+    until the next one and peak memory stays the stage's weights plus one tensor."""
     from megatron.core import parallel_state as mpu
 
     from dapo_megatron.weights.hf_io import ShardWriter
     writer = is_dense_owner()
     shards = ShardWriter(out_dir, f"part-s{mpu.get_pipeline_model_parallel_rank()}", shard_bytes)
-    for bucket in export_hf(model_chunks, bucket_bytes=shard_bytes):
-        for name, tensor in bucket if writer else ():
+    for name, tensor in iter_hf_tensors(model_chunks):
+        if writer:
             shards.add(name, tensor)
-        if on_bucket is not None:
-            on_bucket(bucket)
+        if on_tensor is not None:
+            on_tensor(name)
     shards.flush()
     return {"weight_map": shards.weight_map, "total_bytes": shards.total_bytes} if writer else {}
