@@ -154,10 +154,11 @@ class TrainGroup:
                          for i, e in enumerate(engines)]
         sums, nbytes = {}, 0
         pushes = [w.push_weights.remote(engines, bucket_mb, checksums, a) for w, a in zip(self.workers, addresses)]
-        for part, n in self._all(pushes):
+        # One get over both sides: ray.get raises at the first failure, so an engine that dies
+        # mid-receive stops the run now, not after its sender's collective times out.
+        for part, n in self._all(pushes + receiving)[:len(pushes)]:
             sums.update(part)
             nbytes += n
-        ray.get(receiving)
         return sums, nbytes
 
     def save_hf(self, out_dir: str) -> tuple[dict, int]:
