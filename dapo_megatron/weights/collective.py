@@ -6,7 +6,7 @@ world, by the device layer (gloo on CPU, NCCL on CUDA, HCCL on NPU). One group p
 because senders export in lockstep (TP / expert-TP gathers): a sender waiting for another's
 turn would block the gathers that other needs. An engine receives each group on its own thread.
 
-Per bucket the sender broadcasts a header (names, shapes, dtypes, as int64 words) and then one
+Per bucket the sender broadcasts a header (its length, then names, shapes, dtypes as JSON) and one
 flat byte buffer holding every tensor of the bucket; a header of length 0 ends the stream. The
 tensors move device to device where the backend can (NCCL / HCCL), never through the driver.
 """
