@@ -27,9 +27,10 @@ CHOICES: dict[str, tuple] = {
     "algorithm.filter_groups.mode": ("sync", "early_stop"),
     "algorithm.filter_groups.on_exhausted": tuple(ON_EXHAUSTED),
     "rollout.name": ("vllm",),
+    "rollout.sync.transport": ("object_store", "broadcast"),
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
-SYNC_TRANSPORTS = ("object_store", "broadcast")  # rollout.sync.transport
+
 
 def _get(cfg: Any, dotted: str) -> Any:
     for part in dotted.split("."):
@@ -143,8 +144,6 @@ def _check_layouts(cfg: DapoConfig) -> None:
     _require(cfg.rollout.sync.verify_every == 0 or r.ep == 1, "rollout.sync.verify_every",
              f"rollout.sync.verify_every ({cfg.rollout.sync.verify_every}) needs rollout.parallel.ep == 1 (engine "
              f"checksums are not implemented for expert-parallel engines); set rollout.sync.verify_every=0")
-    _require(cfg.rollout.sync.transport in SYNC_TRANSPORTS, "rollout.sync.transport",
-             f"rollout.sync.transport ({cfg.rollout.sync.transport!r}) must be one of {', '.join(SYNC_TRANSPORTS)}")
     fit = devices["rollout"] // r.tp
     _require(0 <= cfg.rollout.num_engines <= fit, "rollout.num_engines",
              f"rollout.num_engines ({cfg.rollout.num_engines}) must be in [0, {fit}]: {devices['rollout']} engine "

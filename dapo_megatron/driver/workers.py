@@ -46,6 +46,7 @@ class TrainWorker:
         self.cfg, self.model_path, self.rank, self.world_size = cfg, model_path, rank, world_size
         self.actor = self.ref = None
         self.sync_plan = None  # what this rank sends per weight sync, fixed by the first one
+        self._sync_address = self._sync_group = None  # broadcast transport: made by the first sync
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process group (asked of rank 0 only)."""
@@ -80,10 +81,12 @@ class TrainWorker:
         return self.actor.update(batch)
 
     def sync_address(self) -> Optional[tuple[str, int]]:
-        """Where this rank will host its broadcast group for a weight sync, or None when it
-        sends nothing (weights/sync.sender_roles)."""
+        """Where this rank hosts its broadcast group for weight syncs, or None when it sends
+        nothing (weights/sync.sender_roles). Fixed at the first call: the group outlives a sync."""
         from dapo_megatron.weights.sync import sender_roles
-        return (ray.util.get_node_ip_address(), _free_port()) if any(sender_roles()) else None
+        if self._sync_address is None and any(sender_roles()):
+            self._sync_address = (ray.util.get_node_ip_address(), _free_port())
+        return self._sync_address
 
     def push_weights(self, engines: list, bucket_mb: int, checksums: bool,
                      address: Optional[tuple[str, int]] = None) -> tuple[dict, int]:
@@ -95,9 +98,10 @@ class TrainWorker:
         from dapo_megatron.weights.sync import push
         if address is None:  # also a rank that sends nothing in broadcast mode: it only gathers
             transport = RayBroadcast(engines)
-        else:
-            group = collective.connect(self.device, *address, rank=0, size=len(engines) + 1)
-            transport = collective.BroadcastSender(group, self.device)
+        else:  # the first sync builds the group (a rendezvous with every engine); later ones reuse it
+            if self._sync_group is None:
+                self._sync_group = collective.connect(self.device, *address, rank=0, size=len(engines) + 1)
+            transport = collective.BroadcastSender(self._sync_group, self.device)
         sums, self.sync_plan = push(self.actor.chunks, transport, bucket_mb << 20, self.sync_plan,
                                     checksums=checksums)
         if address is not None:

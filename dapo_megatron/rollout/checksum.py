@@ -21,10 +21,14 @@ _CHUNK = 64 * _PERIOD
 _WEIGHTS: dict[torch.device, torch.Tensor] = {}
 
 
+def _weights_at(index: torch.Tensor) -> torch.Tensor:
+    """Position weights of int64 flat indices, in [0.5, 1.5)."""
+    return ((index % _PERIOD) * _MULT % _PERIOD).to(torch.float64) / _PERIOD + 0.5
+
+
 def _position_weights(device: torch.device) -> torch.Tensor:
     if device not in _WEIGHTS:
-        pos = torch.arange(_CHUNK, device=device, dtype=torch.int64)
-        _WEIGHTS[device] = ((pos % _PERIOD) * _MULT % _PERIOD).to(torch.float64) / _PERIOD + 0.5
+        _WEIGHTS[device] = _weights_at(torch.arange(_CHUNK, device=device, dtype=torch.int64))
     return _WEIGHTS[device]
 
 
@@ -68,10 +72,9 @@ def shard_checksum(t: torch.Tensor, full_shape: tuple[int, ...], dim: int, offse
             view = [1] * block.dim()
             view[k] = n
             index = index + ((torch.arange(n, device=t.device) + start) * strides[k]).view(view)
-        weights = ((index % _PERIOD) * _MULT % _PERIOD).to(torch.float64) / _PERIOD + 0.5
         x = block.to(torch.float64)
         total += x.sum().item()
-        weighted += (x * weights).sum().item()
+        weighted += (x * _weights_at(index)).sum().item()
         abs_total += x.abs().sum().item()
     return Checksum(total, weighted, abs_total, t.numel())
 

@@ -67,6 +67,7 @@ class Engine:
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport {weight_transport!r} must be one of {WEIGHT_TRANSPORTS}")
         self._device = get_device(device)
+        self._sync_groups: dict[tuple, object] = {}  # (sender address, rank, size) -> broadcast group
         os.environ.update(self._device.vllm_env(cfg.parallel.tp))  # read by vLLM at import and engine start
         t0 = time.perf_counter()
         self._llm = self._make_llm(model_path, cfg, _DTYPES[dtype], max_model_len)
@@ -300,10 +301,13 @@ class Engine:
         """Join one trainer rank's broadcast group (`weights/collective.py`, rank `rank` of
         `size`) and load every bucket it sends, inside an open weight update; returns the
         tensors loaded. Blocks the calling thread until the sender closes: one call per sender,
-        each on its own thread (the Ray actor's `max_concurrency`)."""
+        each on its own thread (the Ray actor's `max_concurrency`). The group is joined at the first
+        sync and kept: building one is a rendezvous (and an NCCL / HCCL communicator set-up)."""
         from dapo_megatron.weights import collective
-        group = collective.connect(self._device, *address, rank, size)
-        return collective.receive(group, self._device, self.load_weights)
+        key = (tuple(address), rank, size)
+        if key not in self._sync_groups:
+            self._sync_groups[key] = collective.connect(self._device, *address, rank, size)
+        return collective.receive(self._sync_groups[key], self._device, self.load_weights)
 
     def finish_weight_update(self) -> int:
         """Post-process the model, reset the prefix cache, resume; returns the number of tensors."""

@@ -21,6 +21,8 @@ import time
 
 import torch
 
+from dapo_megatron.config.validate import CHOICES
+
 DEFAULT_TOL = 1e-3  # fp32; engine vs HF on the same weights measured ~1e-5 on tiny models
 
 
@@ -148,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollout-ep", type=int, default=1, help="engine expert parallel (1 or rollout-tp)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
     p.add_argument("--device", default="auto", help="cpu | cuda | npu | auto")
-    p.add_argument("--transport", default="object_store", choices=("object_store", "broadcast"),
+    p.add_argument("--transport", default="object_store", choices=CHOICES["rollout.sync.transport"],
                    help="rollout.sync.transport: Ray object store, or a process group per sending rank")
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--tol", type=float, default=DEFAULT_TOL)
