@@ -4,13 +4,16 @@
 
 Generates a random Qwen3-MoE checkpoint of about --size-gb (fp32; wider and deeper than the
 test models), then times, in the same run: a plain copy of its safetensors files (the I/O
-baseline), `python -m dapo_megatron.convert hf-to-mcore` at --save and `mcore-to-hf` at --load,
+baseline), the same copy with each file fsynced (durable, as both converter directions write
+before renaming their output into place), `python -m dapo_megatron.convert hf-to-mcore` at
+--save and `mcore-to-hf` at --load,
 each as a new process like a user's command, and checks the round trip is bit-exact. Peak RSS
 is sampled per rank (psutil, every 0.1 s) and shown next to the share of the checkpoint that
 rank wrote and the RSS of an idle rank (imports only); in parentheses RSS without file-backed
 pages (the memory-mapped safetensors count in RSS but are page cache the kernel can drop).
 "net GB/s" subtracts the wall time of a command whose ranks only start (interpreter, imports,
-forks, process group): the fixed cost of every convert command.
+forks, process group): the fixed cost of every convert command. "x copy" is GB/s over the plain
+copy's; "net x copy+fsync" is net GB/s over the durable copy's.
 """
 from __future__ import annotations
 
@@ -50,6 +53,21 @@ def build_checkpoint(out: str, size_gb: float) -> str:
     return build_tiny_model("qwen3_moe", out, vocab_size=32000, hidden_size=1024, num_attention_heads=8,
                             num_key_value_heads=4, head_dim=128, num_hidden_layers=_layers_for(size_gb),
                             num_experts=8, moe_intermediate_size=768, intermediate_size=2048)
+
+
+def _copy(src: str, dst: str, durable: bool) -> float:
+    """Seconds to copy the safetensors files of `src` (in the kernel, as `cp` does); `durable`
+    also fsyncs each copy, as both converter directions do before publishing their output."""
+    t = time.perf_counter()
+    os.makedirs(dst)
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            shutil.copyfile(os.path.join(src, f), os.path.join(dst, f))
+            if durable:
+                fd = os.open(os.path.join(dst, f), os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+    return time.perf_counter() - t
 
 
 def _dir_bytes(path: str, suffix: str = "") -> int:
@@ -147,13 +165,8 @@ def run(args) -> list[tuple]:
     hf, ckpt, back = (os.path.join(work, n) for n in ("hf", "mcore", "hf_back"))
     build_checkpoint(hf, args.size_gb)
     size = _dir_bytes(hf, ".safetensors")
-    t = time.perf_counter()
-    copy_dir = os.path.join(work, "copy")
-    os.makedirs(copy_dir)
-    for f in os.listdir(hf):
-        if f.endswith(".safetensors"):
-            shutil.copyfile(os.path.join(hf, f), os.path.join(copy_dir, f))
-    copy_s = time.perf_counter() - t
+    copy_s = _copy(hf, os.path.join(work, "copy"), durable=False)
+    durable_s = _copy(hf, os.path.join(work, "copy_fsync"), durable=True)
     idle, startup_s = _idle_worker(_world(args.save))
     save_s, save_rss, save_helper = _timed_convert(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt, "--force", *_layout(args.save)])
     ranks = sorted({f.split("_")[2] for f in os.listdir(ckpt) if f.endswith(".distcp")})
@@ -163,10 +176,13 @@ def run(args) -> list[tuple]:
     exact = _bit_exact(hf, back)
     gb = lambda xs: "/".join(f"{x / GB:.2f}" for x in xs)  # noqa: E731
     net = lambda s: size / GB / max(s - startup_s, 1e-3)  # noqa: E731  (GB/s without start-up)
-    rows = [("plain copy", "-", copy_s, size / GB / copy_s, size / GB / copy_s, "-", "-", "-"),
+    copy_gbps, durable_gbps = size / GB / copy_s, size / GB / durable_s
+    rows = [("plain copy", "-", copy_s, copy_gbps, copy_gbps, "-", "-", "-"),
+            ("copy+fsync", "-", durable_s, durable_gbps, durable_gbps, "-", "-", "-"),
             ("hf-to-mcore", args.save, save_s, size / GB / save_s, net(save_s), "/".join(save_rss), gb([save_helper]),
              gb(sorted(shards, reverse=True))),
             ("mcore-to-hf", args.load, load_s, size / GB / load_s, net(load_s), "/".join(load_rss), gb([load_helper]), "-")]
+    rows = [(*r[:5], r[3] / copy_gbps, r[4] / durable_gbps, *r[5:]) for r in rows]
     print(f"checkpoint {size / GB:.2f} GB ({_layers_for(args.size_gb)} layers, 8 experts), "
           f"idle worker: RSS {idle / GB:.2f} GB, start-up {startup_s:.1f} s; round trip bit-exact: {exact}")
     if not args.workdir:
@@ -187,12 +203,14 @@ def main(argv=None) -> int:
         forkserver.start()
         from dapo_megatron.train.parallel import run_workers
         print(max(run_workers(_idle_job, args.idle_world, timeout_s=300)))
-        return 0
+        from dapo_megatron.convert import _exit_now
+        _exit_now(0)  # as the convert CLI exits
     rows = run(args)
-    print(f"{'step':<12} {'layout':<10} {'seconds':>8} {'GB/s':>6} {'net GB/s':>8}  {'peak RSS(anon)/rank GB':<24} "
-          f"{'helper proc GB':<15} shard/rank GB")
-    for step, layout, s, gbps, net, rss, helper, shard in rows:
-        print(f"{step:<12} {layout:<10} {s:>8.2f} {gbps:>6.3f} {net:>8.3f}  {rss:<24} {helper:<15} {shard}")
+    print(f"{'step':<12} {'layout':<10} {'seconds':>8} {'GB/s':>6} {'net GB/s':>8} {'x copy':>6} {'net x copy+fsync':>16}  "
+          f"{'peak RSS(anon)/rank GB':<24} {'helper proc GB':<15} shard/rank GB")
+    for step, layout, s, gbps, net, x_copy, x_durable, rss, helper, shard in rows:
+        print(f"{step:<12} {layout:<10} {s:>8.2f} {gbps:>6.3f} {net:>8.3f} {x_copy:>6.2f} {x_durable:>16.2f}  "
+              f"{rss:<24} {helper:<15} {shard}")
     return 0
 
 

@@ -130,7 +130,7 @@ def write_hf_shards(model_chunks, out_dir: str, shard_bytes: int, on_tensor=None
     """Export into HF safetensors shards in `out_dir`, one writer per pipeline stage (TP rank 0
     of DP / CP replica 0); a collective. Returns {"weight_map", "total_bytes"} on writers, {}
     elsewhere: the caller merges them and calls `hf_io.finalize_shards`. Tensor by tensor, not in
-    buckets: the writer spills each to disk at once, so a reshaped copy (QKV, gate/up) lives only
+    buckets: the writer puts each in its file at once, so a reshaped copy (QKV, gate/up) lives only
     until the next one and peak memory stays the stage's weights plus one tensor."""
     from megatron.core import parallel_state as mpu
 

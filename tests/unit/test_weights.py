@@ -120,7 +120,9 @@ def test_every_fused_or_sharded_row_has_a_tp_dim():
                 assert mcore in name_map.TP_DIM, mcore
 
 
-def test_shard_writer_streams_files_safetensors_reads(tmp_path, monkeypatch):
+@pytest.mark.parametrize("header_reserve,kernel_copy", [(1 << 20, True), (64, True), (64, False)],
+                         ids=["header_in_reserve", "header_relocated", "relocated_user_space_copy"])
+def test_shard_writer_streams_files_safetensors_reads(tmp_path, monkeypatch, header_reserve, kernel_copy):
     import json
     import os
 
@@ -129,25 +131,53 @@ def test_shard_writer_streams_files_safetensors_reads(tmp_path, monkeypatch):
     from dapo_megatron.weights import hf_io
     tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.arange(6).reshape(2, 3),
                "d": torch.randn(4, 4, dtype=torch.float16).t(), "e": torch.zeros(0, 3), "f": torch.tensor([True, False])}
-    for kernel_copy in (True, False):
-        out = tmp_path / f"kernel_copy_{kernel_copy}"
-        out.mkdir()
-        if not kernel_copy:  # the user-space fallback, as on filesystems without copy_file_range
-            monkeypatch.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError("EXDEV")))
-        writer = hf_io.ShardWriter(str(out), "part", max_bytes=80)  # "a" alone fills a file
+    if not kernel_copy:  # the user-space fallback, as on filesystems without copy_file_range
+        monkeypatch.setattr(os, "copy_file_range", lambda *a: (_ for _ in ()).throw(OSError("EXDEV")))
+    writer = hf_io.ShardWriter(str(tmp_path), "part", max_bytes=80, header_reserve=header_reserve)  # "a" fills a file
+    for name, t in tensors.items():
+        writer.add(name, t)
+    writer.flush()
+    hf_io.finalize_shards(str(tmp_path), writer.weight_map, writer.total_bytes)
+    files = sorted(f for f in os.listdir(tmp_path) if f.endswith(".safetensors"))
+    assert len(files) >= 2 and sorted(os.listdir(tmp_path)) == sorted(files + [hf_io.INDEX])
+    index = json.loads((tmp_path / hf_io.INDEX).read_text())
+    assert set(index["weight_map"]) == set(tensors)
+    for name, t in tensors.items():
+        path = tmp_path / index["weight_map"][name]
+        header_len = int.from_bytes(path.read_bytes()[:8], "little")
+        assert header_len % 8 == 0 and (header_len == header_reserve) == (header_reserve > 64)
+        with safe_open(str(path), framework="pt") as f:
+            got = f.get_tensor(name)
+            assert got.dtype == t.dtype and torch.equal(got, t), name
+            assert f.metadata() == {"format": "pt"}
+
+
+def test_shard_writer_syncs_in_background_and_reports_a_failed_sync(tmp_path, monkeypatch):
+    import os
+
+    from safetensors import safe_open
+
+    from dapo_megatron.weights import hf_io
+    synced = []
+    monkeypatch.setattr(hf_io, "_SYNC_EVERY", 100)
+    monkeypatch.setattr(os, "fdatasync", lambda fd: synced.append(fd))
+    writer = hf_io.ShardWriter(str(tmp_path), "part", max_bytes=1 << 20)
+    tensors = {f"t{i}": torch.randn(40) for i in range(6)}  # 160 bytes each: a sync per tensor
+    for name, t in tensors.items():
+        writer.add(name, t)
+    writer.flush()
+    assert synced, "no background fdatasync ran"
+    with safe_open(str(tmp_path / writer.files[0]), framework="pt") as f:
+        assert all(torch.equal(f.get_tensor(n), t) for n, t in tensors.items())
+
+    def failing(fd):
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(os, "fdatasync", failing)
+    writer = hf_io.ShardWriter(str(tmp_path), "again", max_bytes=1 << 20)
+    with pytest.raises(OSError, match="Input/output error"):
         for name, t in tensors.items():
             writer.add(name, t)
         writer.flush()
-        hf_io.finalize_shards(str(out), writer.weight_map, writer.total_bytes)
-        files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
-        assert len(files) >= 2 and not [f for f in os.listdir(out) if f.endswith(".data")]
-        index = json.loads((out / hf_io.INDEX).read_text())
-        assert set(index["weight_map"]) == set(tensors)
-        for name, t in tensors.items():
-            with safe_open(str(out / index["weight_map"][name]), framework="pt") as f:
-                got = f.get_tensor(name)
-                assert got.dtype == t.dtype and torch.equal(got, t), name
-                assert f.metadata() == {"format": "pt"}
 
 
 def test_shard_writer_names_an_unsupported_dtype(tmp_path):
