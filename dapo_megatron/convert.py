@@ -52,14 +52,40 @@ def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str, dev
     chunks = build_model(load_hf_config(hf_dir), dtype=dtype, perform_initialization=False,
                          device=dev)
     load_hf_checkpoint(chunks, hf_dir, progress=True)
-    dist_save({"model": chunks[0].sharded_state_dict()}, out_dir)
+    dist_save({"model": _own_storage(chunks[0])}, out_dir)
+
+
+def _own_storage(chunk) -> dict:
+    """The chunk's sharded state dict with every tensor in its own storage, the params consumed.
+
+    torch_dist saves a tensor with torch.save, which writes a view's whole storage, so megatron
+    clones every view (each expert's gate and up halves of fc1, ...) before writing: all at once,
+    ~1.5x the shard at peak. Here the views of one param are cloned and the param freed before
+    the next, so the peak stays the shard plus one param. The model is unusable afterwards.
+    """
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    sharded = chunk.sharded_state_dict()
+    apply_factories(sharded)
+    by_storage: dict[int, list] = {}
+    for sh in nested_values(sharded):
+        if isinstance(sh, ShardedTensor) and isinstance(sh.data, torch.Tensor):
+            by_storage.setdefault(sh.data.untyped_storage().data_ptr(), []).append(sh)
+    params = {p.untyped_storage().data_ptr(): p for p in chunk.parameters()}
+    for ptr, shs in by_storage.items():
+        for sh in shs:
+            if sh.data.untyped_storage().nbytes() != sh.data.numel() * sh.data.element_size():
+                sh.data = sh.data.clone()
+        if ptr in params and all(sh.data.untyped_storage().data_ptr() != ptr for sh in shs):
+            params[ptr].data = torch.empty(0, dtype=params[ptr].dtype)  # no tensor left needs it
+    return sharded
 
 
 def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dict, dtype: str,
                         shard_bytes: int, device: str) -> dict:
     """Load the dist checkpoint at `layout`, export; one writer per pipeline stage."""
     import torch.distributed as dist
-    from megatron.core import dist_checkpointing
     from tqdm import tqdm
 
     from dapo_megatron.device import get_device
@@ -70,14 +96,45 @@ def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dic
     init_parallel(_parallel(layout), dev, key="convert")
     chunks = build_model(load_hf_config(hf_config_dir), dtype=dtype, perform_initialization=False,
                          device=dev)
-    state = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()}, ckpt)["model"]
-    _adopt(chunks[0], state)
+    state = _load_in_groups(chunks[0], ckpt, _LOAD_GROUPS)
     chunks[0].load_state_dict(state, strict=True)  # checks the keys; adopted tensors copy onto themselves
     del state
     bar = tqdm(desc="export", unit="tensor", disable=dist.get_rank() != 0, file=sys.stderr)
     result = write_hf_shards(chunks, out_dir, shard_bytes, on_tensor=lambda _: bar.update(1))
     bar.close()
     return result
+
+
+_LOAD_GROUPS = 4
+
+
+def _load_in_groups(chunk, ckpt: str, groups: int) -> dict:
+    """dist_checkpointing.load of the chunk in `groups` calls of ~equal bytes, each adopted
+    before the next (a collective: every rank makes the same number of calls).
+
+    Megatron loads fused weights (each expert's gate/up) as pieces and merges them into new
+    tensors at the end of a load: pieces and merged copies coexist, ~1.5x the stage at peak
+    in one call. In groups the extra is one group's fused weights.
+    """
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    template = chunk.sharded_state_dict()
+    size = {k: sum(t.numel() * t.element_size() for t in (getattr(x, "data", None) for x in nested_values({k: v}))
+                   if isinstance(t, torch.Tensor)) for k, v in template.items()}
+    per_group, state, keys = sum(size.values()) / groups, {}, list(template)
+    for g in range(groups):
+        part, taken = {}, 0
+        while keys and (g == groups - 1 or taken < per_group):
+            key = keys.pop(0)
+            taken += size[key]
+            part[key] = template.pop(key)
+        # A group covers part of a tensor's global shape (other layers are on other ranks, in
+        # other groups): the whole-checkpoint access check does not apply to a subset.
+        loaded = dist_checkpointing.load({"model": part}, ckpt, validate_access_integrity=False).get("model", {})
+        _adopt(chunk, loaded)
+        state.update(loaded)
+    return state
 
 
 def _adopt(chunk, loaded: dict) -> None:
