@@ -116,25 +116,31 @@ def _load_in_groups(chunk, ckpt: str, groups: int) -> dict:
     tensors at the end of a load: pieces and merged copies coexist, ~1.5x the stage at peak
     in one call. In groups the extra is one group's fused weights.
     """
-    import torch
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     template = chunk.sharded_state_dict()
-    size = {k: sum(t.numel() * t.element_size() for t in (getattr(x, "data", None) for x in nested_values({k: v}))
-                   if isinstance(t, torch.Tensor)) for k, v in template.items()}
-    per_group, state, keys = sum(size.values()) / groups, {}, list(template)
-    for g in range(groups):
-        part, taken = {}, 0
-        while keys and (g == groups - 1 or taken < per_group):
-            key = keys.pop(0)
-            taken += size[key]
-            part[key] = template.pop(key)
+    size = {k: sum(map(_nbytes, nested_values({k: v}))) for k, v in template.items()}
+    total, done, parts = max(1, sum(size.values())), 0, [{} for _ in range(groups)]
+    for key, value in template.items():  # consecutive keys, cut by bytes
+        parts[min(groups - 1, done * groups // total)][key] = value
+        done += size[key]
+    del template
+    state = {}
+    while parts:  # popped, so a loaded group's pieces are freed before the next loads
         # A group covers part of a tensor's global shape (other layers are on other ranks, in
         # other groups): the whole-checkpoint access check does not apply to a subset.
-        loaded = dist_checkpointing.load({"model": part}, ckpt, validate_access_integrity=False).get("model", {})
+        loaded = dist_checkpointing.load({"model": parts.pop(0)}, ckpt,
+                                         validate_access_integrity=False).get("model", {})
         _adopt(chunk, loaded)
         state.update(loaded)
     return state
+
+
+def _nbytes(sharded) -> int:
+    """Bytes of a ShardedTensor's or factory's tensor; 0 for other entries (ShardedObject)."""
+    import torch
+    data = getattr(sharded, "data", None)
+    return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else 0
 
 
 def _adopt(chunk, loaded: dict) -> None:

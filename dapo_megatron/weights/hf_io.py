@@ -90,22 +90,23 @@ class ShardWriter:
     a writer that must know every tensor before writing holds a whole file in memory (4 GB at
     the default --shard-mb). Here each tensor's bytes go straight to their place in the file,
     after `header_reserve` bytes kept for the header; `flush` writes the header there, padded
-    with spaces (the format allows it), and fsyncs. A header that outgrows the reserve (thousands
-    of tensors in one file at the default 1 MiB) moves the bytes up instead: one in-kernel copy.
+    with spaces (the format allows it), and fsyncs. A file also ends when its header would
+    outgrow the reserve (thousands of tensors at the default 1 MiB).
     The output must be on disk before it is published, and the disk is slower than the export
-    (~0.5 GB/s here): a background thread fdatasyncs every 256 MB, so the disk writes while the
-    next tensors are produced instead of all at the final fsync.
+    (~0.4-0.6 GB/s here): a background thread fdatasyncs every 256 MB, so the disk writes while
+    the next tensors are produced instead of all at the final fsync.
     """
 
     def __init__(self, out_dir: str, prefix: str, max_bytes: int, header_reserve: int = 1 << 20):
         self.out_dir, self.prefix, self.max_bytes = out_dir, prefix, max_bytes
-        self.header_reserve = header_reserve
+        self.header_reserve = (header_reserve + 7) // 8 * 8  # the data starts 8-byte aligned
         self.pending: dict[str, dict] = {}  # name -> header entry of the file being written
         self.pending_bytes = 0
         self.files: list[str] = []
         self.weight_map: dict[str, str] = {}
         self.total_bytes = 0
         self._out = None
+        self._header_len = len(_header({}))
         self._unsynced = 0
         self._sync: Future | None = None
         self._syncer: ThreadPoolExecutor | None = None
@@ -117,8 +118,17 @@ class ShardWriter:
         if tensor.dtype not in _ST_DTYPES:
             raise ValueError(f"tensor {name}: dtype {tensor.dtype} has no safetensors name")
         nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.max_bytes:
+        # the entry as it would be in this file: its offsets are an upper bound for a new file's
+        entry = {"dtype": _ST_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                 "data_offsets": [self.pending_bytes, self.pending_bytes + nbytes]}
+        grows = len(_header({name: entry})) - len(_header({}))  # its text and a comma
+        if self.pending and (self.pending_bytes + nbytes > self.max_bytes
+                             or self._header_len + grows > self.header_reserve):
             self.flush()
+            entry["data_offsets"] = [0, nbytes]
+        if self._header_len + grows > self.header_reserve:
+            raise ValueError(f"tensor {name}: its header entry alone exceeds the {self.header_reserve}-byte "
+                             "header reserve of a shard file")
         if self._out is None:
             self._out = open(os.path.join(self.out_dir, self._file()), "wb")
             self._out.seek(8 + self.header_reserve)
@@ -130,75 +140,39 @@ class ShardWriter:
                 self._sync.result()  # a failed sync raises here: a later fsync may not report it
             self._syncer = self._syncer or ThreadPoolExecutor(1, thread_name_prefix="shard-sync")
             self._sync, self._unsynced = self._syncer.submit(os.fdatasync, self._out.fileno()), 0
-        self.pending[name] = {"dtype": _ST_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                              "data_offsets": [self.pending_bytes, self.pending_bytes + nbytes]}
+        self.pending[name] = entry
+        self._header_len += grows
         self.pending_bytes += nbytes
         self.total_bytes += nbytes
 
     def flush(self) -> None:
         if not self.pending:
             return
-        file, out = self._file(), self._out
         if self._syncer is not None:  # the fd must stay open until the thread is done with it
             self._syncer.shutdown()
             self._sync.result()
-        self._sync, self._syncer, self._unsynced = None, None, 0
-        header = json.dumps({"__metadata__": {"format": "pt"}, **self.pending}, separators=(",", ":")).encode()
-        if len(header) <= self.header_reserve:
-            header += b" " * (self.header_reserve - len(header))
+        header = _header(self.pending)
+        header += b" " * (self.header_reserve - len(header))
+        with self._out as out:
             out.seek(0)
             out.write(len(header).to_bytes(8, "little") + header)
-            _sync_close(out)
-        else:
-            out.close()
-            _relocate(os.path.join(self.out_dir, file), 8 + self.header_reserve, self.pending_bytes, header)
+            _sync(out)
+        file = self._file()
         self.files.append(file)
         self.weight_map.update({k: file for k in self.pending})
         self.pending, self.pending_bytes, self._out = {}, 0, None
+        self._header_len, self._sync, self._syncer, self._unsynced = len(_header({})), None, None, 0
 
 
-def _relocate(path: str, data_at: int, nbytes: int, header: bytes) -> None:
-    """Rewrite `path` as 8-byte length + `header` (space-padded to 8-byte alignment) + the
-    `nbytes` of data that start at `data_at` in the old file."""
-    header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    tmp = path + ".relocate"
-    with open(path, "rb") as src, open(tmp, "wb") as dst:
-        dst.write(len(header).to_bytes(8, "little") + header)
-        dst.flush()
-        _copy_range(src, data_at, dst, nbytes)
-        _sync_close(dst)
-    os.replace(tmp, path)
+def _header(entries: dict) -> bytes:
+    return json.dumps({"__metadata__": {"format": "pt"}, **entries}, separators=(",", ":")).encode()
 
 
-def _sync_close(f) -> None:
+def _sync(f) -> None:
     """Flush and fsync: the caller renames the output folder into place, which must not
     publish files whose bytes are still only in the page cache."""
     f.flush()
     os.fsync(f.fileno())
-    f.close()
-
-
-def _copy_range(src, offset: int, dst, nbytes: int) -> None:
-    """Append `nbytes` of file `src` from `offset` to file `dst` (at its position)."""
-    start = dst.tell()
-    try:
-        done = 0
-        while done < nbytes:  # in the kernel: no pass through this process's memory
-            n = os.copy_file_range(src.fileno(), dst.fileno(), nbytes - done, offset + done)
-            if n == 0:
-                raise OSError(f"copy_file_range stopped at {done} of {nbytes} bytes")
-            done += n
-    except OSError:  # not supported here (kernel, filesystem): copy through user space
-        src.seek(offset)
-        dst.seek(start)
-        dst.truncate()
-        left = nbytes
-        while left:
-            chunk = src.read(min(left, 16 << 20))
-            if not chunk:
-                raise OSError(f"{src.name} ended {left} bytes early") from None
-            dst.write(chunk)
-            left -= len(chunk)
 
 
 def finalize_shards(out_dir: str, weight_map: dict[str, str], total_bytes: int) -> None:
@@ -209,6 +183,6 @@ def finalize_shards(out_dir: str, weight_map: dict[str, str], total_bytes: int) 
         os.replace(os.path.join(out_dir, old), os.path.join(out_dir, new))
     index = {"metadata": {"total_size": total_bytes},
              "weight_map": {k: renamed[weight_map[k]] for k in sorted(weight_map)}}
-    f = open(os.path.join(out_dir, INDEX), "w")
-    json.dump(index, f, indent=2)
-    _sync_close(f)
+    with open(os.path.join(out_dir, INDEX), "w") as f:
+        json.dump(index, f, indent=2)
+        _sync(f)
