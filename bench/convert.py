@@ -13,7 +13,8 @@ rank wrote and the RSS of an idle rank (imports only); in parentheses RSS withou
 pages (the memory-mapped safetensors count in RSS but are page cache the kernel can drop).
 "net GB/s" subtracts the wall time of a command whose ranks only start (interpreter, imports,
 forks, process group): the fixed cost of every convert command. "x copy" is GB/s over the plain
-copy's; "net x copy+fsync" is net GB/s over the durable copy's.
+copy's; "net x copy+fsync" is net GB/s over the durable copy's. Each row is the fastest of
+--repeats runs (with that run's memory): this shared 2-core machine varies by ~20% run to run.
 """
 from __future__ import annotations
 
@@ -118,14 +119,14 @@ class RssSampler:
         self._thread.join()
 
 
-def _idle_worker(world: int) -> tuple[int, float]:
-    """(RSS, wall seconds) of a fresh process that starts `world` workers which only initialise
+def _idle_worker(world: int) -> tuple[float, int]:
+    """(wall seconds, RSS) of a fresh process that starts `world` workers which only initialise
     the parallel state: the fixed start-up cost inside every convert command (interpreter,
     imports in run_workers' forkserver, forks, process group)."""
     t = time.perf_counter()
     out = subprocess.run([sys.executable, __file__, "--idle-world", str(world)], check=True,
                          capture_output=True, text=True).stdout
-    return int(out.split()[-1]), time.perf_counter() - t
+    return time.perf_counter() - t, int(out.split()[-1])
 
 
 def _idle_job() -> int:
@@ -168,15 +169,19 @@ def run(args) -> list[tuple]:
     work = args.workdir or tempfile.mkdtemp(prefix="bench_convert_")
     hf, ckpt, back = (os.path.join(work, n) for n in ("hf", "mcore", "hf_back"))
     build_checkpoint(hf, args.size_gb)
+    os.sync()  # else the generated files' writeback runs during (and slows) the first timings
     size = _dir_bytes(hf, ".safetensors")
-    copy_s = _copy(hf, os.path.join(work, "copy"), durable=False)
-    durable_s = _copy(hf, os.path.join(work, "copy_fsync"), durable=True)
-    idle, startup_s = _idle_worker(_world(args.save))
-    save_s, save_rss, save_helper = _timed_convert(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt, "--force", *_layout(args.save)])
+    copy_s = min(_copy(hf, os.path.join(work, "copy"), durable=False) for _ in range(args.repeats))
+    durable_s = min(_copy(hf, os.path.join(work, "copy_fsync"), durable=True) for _ in range(args.repeats))
+    best = lambda fn: min((fn() for _ in range(args.repeats)), key=lambda r: r[0])  # noqa: E731  (by seconds)
+    startup_s, idle = best(lambda: _idle_worker(_world(args.save)))
+    save_s, save_rss, save_helper = best(lambda: _timed_convert(["hf-to-mcore", "--hf-dir", hf, "--out", ckpt, "--force",
+                                                                 *_layout(args.save)]))
     ranks = sorted({f.split("_")[2] for f in os.listdir(ckpt) if f.endswith(".distcp")})
     shards = [sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt)
                   if f.endswith(".distcp") and f.split("_")[2] == r) for r in ranks]
-    load_s, load_rss, load_helper = _timed_convert(["mcore-to-hf", "--ckpt", ckpt, "--out", back, "--force", *_layout(args.load)])
+    load_s, load_rss, load_helper = best(lambda: _timed_convert(["mcore-to-hf", "--ckpt", ckpt, "--out", back, "--force",
+                                                                 *_layout(args.load)]))
     exact = _bit_exact(hf, back)
     gb = lambda xs: "/".join(f"{x / GB:.2f}" for x in xs)  # noqa: E731
     net = lambda s: size / GB / max(s - startup_s, 1e-3)  # noqa: E731  (GB/s without start-up)
@@ -199,6 +204,7 @@ def main(argv=None) -> int:
     p.add_argument("--size-gb", type=float, default=1.0)
     p.add_argument("--save", default="tp=2,ep=2", help="layout of hf-to-mcore, e.g. tp=2,ep=2")
     p.add_argument("--load", default="pp=2", help="layout of mcore-to-hf, e.g. pp=2")
+    p.add_argument("--repeats", type=int, default=2, help="time each row this many times, keep the fastest")
     p.add_argument("--workdir", default=None, help="keep the files here (default: a temp dir, removed)")
     p.add_argument("--idle-world", type=int, default=0, help=argparse.SUPPRESS)  # internal: _idle_worker
     args = p.parse_args(argv)

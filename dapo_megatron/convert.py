@@ -51,17 +51,18 @@ def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str, dev
     # builds each full (unsharded) weight on every rank before slicing it.
     chunks = build_model(load_hf_config(hf_dir), dtype=dtype, perform_initialization=False,
                          device=dev)
-    load_hf_checkpoint(chunks, hf_dir, progress=True)
+    load_hf_checkpoint(chunks, hf_dir, progress=True, adopt=True)
     dist_save({"model": _own_storage(chunks[0])}, out_dir)
 
 
 def _own_storage(chunk) -> dict:
-    """The chunk's sharded state dict with every tensor in its own storage, the params consumed.
+    """The chunk's sharded state dict with every tensor in a storage of exactly its bytes.
 
     torch_dist saves a tensor with torch.save, which writes a view's whole storage, so megatron
-    clones every view (each expert's gate and up halves of fc1, ...) before writing: all at once,
-    ~1.5x the shard at peak. Here the views of one param are cloned and the param freed before
-    the next, so the peak stays the shard plus one param. The model is unusable afterwards.
+    clones every view (each expert's gate and up halves of fc1, a row slice of a memory-mapped
+    HF tensor) before writing: all at once, ~1.5x the shard at peak. A contiguous view gets an
+    alias of its bytes instead (no copy); any other is cloned with its param freed before the
+    next, so the peak stays the shard plus one param. The model is unusable afterwards.
     """
     import torch
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
@@ -75,11 +76,24 @@ def _own_storage(chunk) -> dict:
     params = {p.untyped_storage().data_ptr(): p for p in chunk.parameters()}
     for ptr, shs in by_storage.items():
         for sh in shs:
-            if sh.data.untyped_storage().nbytes() != sh.data.numel() * sh.data.element_size():
-                sh.data = sh.data.clone()
+            sh.data = _exact_storage(sh.data)
         if ptr in params and all(sh.data.untyped_storage().data_ptr() != ptr for sh in shs):
             params[ptr].data = torch.empty(0, dtype=params[ptr].dtype)  # no tensor left needs it
     return sharded
+
+
+def _exact_storage(t):
+    """`t`, or the same values in a storage of exactly their bytes: for a contiguous CPU view an
+    alias of its memory (torch.from_numpy makes a storage of the array's extent, which holds a
+    reference to the original), else a clone."""
+    import torch
+    t = t.detach()
+    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+        return t
+    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+        return t.clone()
+    raw = t.reshape(-1).view(torch.uint8).numpy()  # numpy has no bfloat16: go through bytes
+    return torch.from_numpy(raw).view(t.dtype).view(t.shape)
 
 
 def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dict, dtype: str,
@@ -96,8 +110,8 @@ def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dic
     init_parallel(_parallel(layout), dev, key="convert")
     chunks = build_model(load_hf_config(hf_config_dir), dtype=dtype, perform_initialization=False,
                          device=dev)
-    state = _load_in_groups(chunks[0], ckpt, _LOAD_GROUPS)
-    chunks[0].load_state_dict(state, strict=True)  # checks the keys; adopted tensors copy onto themselves
+    state = _load_in_place(chunks[0], ckpt)
+    chunks[0].load_state_dict(state, strict=True)  # checks the keys; a tensor copied onto itself is skipped
     del state
     bar = tqdm(desc="export", unit="tensor", disable=dist.get_rank() != 0, file=sys.stderr)
     result = write_hf_shards(chunks, out_dir, shard_bytes, on_tensor=lambda _: bar.update(1))
@@ -105,58 +119,43 @@ def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dic
     return result
 
 
-_LOAD_GROUPS = 4
+def _load_in_place(chunk, ckpt: str) -> dict:
+    """dist_checkpointing.load of the chunk into its own parameters (a collective).
 
-
-def _load_in_groups(chunk, ckpt: str, groups: int) -> dict:
-    """dist_checkpointing.load of the chunk in `groups` calls of ~equal bytes, each adopted
-    before the next (a collective: every rank makes the same number of calls).
-
-    Megatron loads fused weights (each expert's gate/up) as pieces and merges them into new
-    tensors at the end of a load: pieces and merged copies coexist, ~1.5x the stage at peak
-    in one call. In groups the extra is one group's fused weights.
+    Megatron loads a fused weight (each expert's gate/up fc1) as pieces, views of the
+    parameter, then `torch.cat`s them into a new tensor: a copy of most of an MoE's weights,
+    ~1.5x the stage at peak. The pieces already fill the parameter in order, so the merge here
+    returns the parameter itself. (A merge it does not recognise still cats: correct, bigger.)
     """
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
     template = chunk.sharded_state_dict()
-    size = {k: sum(map(_nbytes, nested_values({k: v}))) for k, v in template.items()}
-    total, done, parts = max(1, sum(size.values())), 0, [{} for _ in range(groups)]
-    for key, value in template.items():  # consecutive keys, cut by bytes
-        parts[min(groups - 1, done * groups // total)][key] = value
-        done += size[key]
-    del template
-    state = {}
-    while parts:  # popped, so a loaded group's pieces are freed before the next loads
-        # A group covers part of a tensor's global shape (other layers are on other ranks, in
-        # other groups): the whole-checkpoint access check does not apply to a subset.
-        loaded = dist_checkpointing.load({"model": parts.pop(0)}, ckpt,
-                                         validate_access_integrity=False).get("model", {})
-        _adopt(chunk, loaded)
-        state.update(loaded)
-    return state
+    for factory in nested_values(template):
+        if isinstance(factory, ShardedTensorFactory):
+            factory.merge_fn = _merge_in_place(factory.data, factory.merge_fn)
+    return dist_checkpointing.load({"model": template}, ckpt).get("model", {})
 
 
-def _nbytes(sharded) -> int:
-    """Bytes of a ShardedTensor's or factory's tensor; 0 for other entries (ShardedObject)."""
+def _merge_in_place(data, merge):
+    def merge_fn(pieces):
+        return data if _tiles(data, pieces) else merge(pieces)
+    return merge_fn
+
+
+def _tiles(data, pieces) -> bool:
+    """Whether `pieces` are consecutive views that fill `data` in order (`torch.cat(pieces)`
+    would equal `data`)."""
     import torch
-    data = getattr(sharded, "data", None)
-    return data.numel() * data.element_size() if isinstance(data, torch.Tensor) else 0
-
-
-def _adopt(chunk, loaded: dict) -> None:
-    """Point parameters at the tensors dist_checkpointing returned instead of copying them.
-
-    Megatron loads many tensors in place, but merges others (fused gate/up of every expert) into
-    new tensors; copying those into the parameters held both, ~1.7x the stage's weights. The
-    parameters were never written (no init), so their memory is not resident and is just freed.
-    """
-    import torch
-    params = chunk.state_dict(keep_vars=True)
-    for name, tensor in loaded.items():
-        param = params.get(name)
-        if (isinstance(param, torch.nn.Parameter) and isinstance(tensor, torch.Tensor)
-                and tensor.shape == param.shape and tensor.dtype == param.dtype and tensor.device == param.device):
-            param.data = tensor
+    if not (isinstance(pieces, (list, tuple)) and pieces and data.is_contiguous()):
+        return False
+    ptr, rows = data.data_ptr(), 0
+    for p in pieces:
+        if not (isinstance(p, torch.Tensor) and p.is_contiguous() and p.data_ptr() == ptr
+                and p.dtype == data.dtype and p.shape[1:] == data.shape[1:]):
+            return False
+        ptr, rows = ptr + p.numel() * p.element_size(), rows + p.shape[0]
+    return rows == data.shape[0]
 
 
 # --------------------------------------------------------------------------------------------
@@ -346,6 +345,7 @@ def main(argv=None) -> int:
         print("interrupted; nothing written", file=sys.stderr)
         return 130
     print(f"wrote {out}")
+
     return 0
 
 

@@ -45,7 +45,8 @@ def _to_hf(pm, shards: list[torch.Tensor], dim, geo) -> dict[str, torch.Tensor]:
         per_shard = [reshape.qkv_from_mcore(s, local_groups, geo["head_dim"]) for s in shards]
     else:
         per_shard = [reshape.gate_up_from_mcore(s) for s in shards]
-    parts = [torch.cat(p, dim=0) for p in zip(*per_shard)]  # q, k, v  or  gate, up
+    # q, k, v or gate, up; without TP a part is a view of the parameter, written without a copy
+    parts = [p[0] if len(p) == 1 else torch.cat(p, dim=0) for p in zip(*per_shard)]
     names = ("q", "k", "v") if pm.kind == "qkv" else ("gate", "up")
     return {pm.hf_names[n]: t for n, t in zip(names, parts)}
 

@@ -146,7 +146,7 @@ def check_hf_checkpoint(hf_dir: str, hf) -> None:
         ckpt.close()
 
 
-def _load_local(model_chunks, hf_dir: str, progress: bool) -> None:
+def _load_local(model_chunks, hf_dir: str, progress: bool, adopt: bool) -> None:
     from tqdm import tqdm
     ckpt = HFCheckpoint(hf_dir)
     show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
@@ -160,8 +160,11 @@ def _load_local(model_chunks, hf_dir: str, progress: bool) -> None:
                 if tensor.shape != param.shape:
                     raise CheckpointError(f"{pm.mcore_name}: built {list(tensor.shape)} from "
                                           f"{list(pm.hf_names.values())}, model has {list(param.shape)}")
-                with torch.no_grad():
-                    param.copy_(tensor)
+                if adopt and (tensor.dtype, tensor.device) == (param.dtype, param.device) and tensor.is_contiguous():
+                    param.data = tensor
+                else:
+                    with torch.no_grad():
+                        param.copy_(tensor)
     finally:
         ckpt.close()
 
@@ -184,10 +187,15 @@ def agree_on_errors(fn, *args) -> None:
         raise CheckpointError(first)
 
 
-def load_hf_checkpoint(model_chunks, hf_dir: str, progress: bool = False) -> None:
+def load_hf_checkpoint(model_chunks, hf_dir: str, progress: bool = False, adopt: bool = False) -> None:
     """Load `hf_dir` (safetensors, single file or index) into this rank's chunks; a collective.
+
+    `adopt` points each parameter at the tensor read (memory-mapped from the file, or built by a
+    reshape) instead of copying into it, where dtype and device match: the conversion's model
+    is only saved, and the copy into untouched parameter memory was its slowest part. Not for a
+    model that trains: its parameters may be views into Megatron's contiguous buffers.
 
     Raises CheckpointError on every rank, naming the tensor or file, when the checkpoint is
     incomplete, has unknown tensors, a wrong shape or an unreadable file.
     """
-    agree_on_errors(_load_local, model_chunks, hf_dir, progress)
+    agree_on_errors(_load_local, model_chunks, hf_dir, progress, adopt)
