@@ -56,41 +56,34 @@ def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str, dev
 
 
 def _own_storage(chunk) -> dict:
-    """The chunk's sharded state dict with every tensor in a storage of exactly its bytes.
+    """The chunk's sharded state dict with each CPU tensor in a storage of exactly its bytes.
 
     torch_dist saves a tensor with torch.save, which writes a view's whole storage, so megatron
-    clones every view (each expert's gate and up halves of fc1, a row slice of a memory-mapped
-    HF tensor) before writing: all at once, ~1.5x the shard at peak. A contiguous view gets an
-    alias of its bytes instead (no copy); any other is cloned with its param freed before the
-    next, so the peak stays the shard plus one param. The model is unusable afterwards.
+    clones every CPU view (each expert's gate and up halves of fc1, a row slice of a
+    memory-mapped HF tensor) before writing: all at once, ~1.5x the shard at peak.
+    `_exact_storage` gives a contiguous view an alias of its bytes instead, with no copy.
     """
     import torch
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
     from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
     sharded = chunk.sharded_state_dict()
     apply_factories(sharded)
-    by_storage: dict[int, list] = {}
     for sh in nested_values(sharded):
         if isinstance(sh, ShardedTensor) and isinstance(sh.data, torch.Tensor):
-            by_storage.setdefault(sh.data.untyped_storage().data_ptr(), []).append(sh)
-    params = {p.untyped_storage().data_ptr(): p for p in chunk.parameters()}
-    for ptr, shs in by_storage.items():
-        for sh in shs:
             sh.data = _exact_storage(sh.data)
-        if ptr in params and all(sh.data.untyped_storage().data_ptr() != ptr for sh in shs):
-            params[ptr].data = torch.empty(0, dtype=params[ptr].dtype)  # no tensor left needs it
     return sharded
 
 
 def _exact_storage(t):
-    """`t`, or the same values in a storage of exactly their bytes: for a contiguous CPU view an
-    alias of its memory (torch.from_numpy makes a storage of the array's extent, which holds a
-    reference to the original), else a clone."""
+    """`t`, or its values in a storage of exactly their bytes: for a contiguous CPU view an alias
+    of its memory (torch.from_numpy makes a storage of the array's extent, which holds a
+    reference to the original), for a strided one a clone. A device tensor is left alone: the
+    writer copies just its values to the host."""
     import torch
     t = t.detach()
-    if t.untyped_storage().nbytes() == t.numel() * t.element_size():
+    if t.device.type != "cpu" or t.untyped_storage().nbytes() == t.numel() * t.element_size():
         return t
-    if t.device.type != "cpu" or not t.is_contiguous() or t.numel() == 0:
+    if not t.is_contiguous() or t.numel() == 0:
         return t.clone()
     raw = t.reshape(-1).view(torch.uint8).numpy()  # numpy has no bfloat16: go through bytes
     return torch.from_numpy(raw).view(t.dtype).view(t.shape)
@@ -345,7 +338,6 @@ def main(argv=None) -> int:
         print("interrupted; nothing written", file=sys.stderr)
         return 130
     print(f"wrote {out}")
-
     return 0
 
 
