@@ -99,7 +99,10 @@ def verify(hf_dir: str, layout: dict, texts: list[str], ckpt: str | None = None)
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.convert import world_for_layout
+    from dapo_megatron.train.integrity import check
     from dapo_megatron.train.parallel import run_workers
+    if ckpt:
+        check(ckpt)  # a damaged file is named here, not found as a logits difference
     prompts, lengths = _prompts(hf_dir, texts, layout["tp"])
     per_rank = run_workers(_worker, world_for_layout(layout), hf_dir, ckpt, layout, prompts, timeout_s=1800)
     ours = next(r for r in per_rank if r[0] is not None)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 
@@ -24,6 +25,7 @@ HF_AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "toke
                 "added_tokens.json", "chat_template.jinja", "chat_template.json")
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _TORCH_NAMES = {v: k for k, v in _DTYPE_NAMES.items()}
+_OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")  # a training checkpoint's Adam state
 
 
 class UsageError(Exception):
@@ -43,6 +45,7 @@ def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str, dev
     from dapo_megatron.device import get_device
     from dapo_megatron.models import build_model, load_hf_config
     from dapo_megatron.train.checkpoint import dist_save
+    from dapo_megatron.train.integrity import write_manifest
     from dapo_megatron.train.parallel import init_parallel
     from dapo_megatron.weights import load_hf_checkpoint
     dev = get_device(device)
@@ -53,6 +56,7 @@ def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str, dev
                          device=dev)
     load_hf_checkpoint(chunks, hf_dir, progress=True, adopt=True)
     dist_save({"model": _own_storage(chunks[0])}, out_dir)
+    write_manifest(out_dir)
 
 
 def _own_storage(chunk) -> dict:
@@ -103,17 +107,18 @@ def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dic
     init_parallel(_parallel(layout), dev, key="convert")
     chunks = build_model(load_hf_config(hf_config_dir), dtype=dtype, perform_initialization=False,
                          device=dev)
-    state = _load_in_place(chunks[0], ckpt)
+    state, keys = _load_in_place(chunks[0], ckpt)
     chunks[0].load_state_dict(state, strict=True)  # checks the keys; a tensor copied onto itself is skipped
     del state
     bar = tqdm(desc="export", unit="tensor", disable=dist.get_rank() != 0, file=sys.stderr)
     result = write_hf_shards(chunks, out_dir, shard_bytes, on_tensor=lambda _: bar.update(1))
     bar.close()
-    return result
+    return {**result, "keys": keys}
 
 
-def _load_in_place(chunk, ckpt: str) -> dict:
-    """dist_checkpointing.load of the chunk into its own parameters (a collective).
+def _load_in_place(chunk, ckpt: str) -> tuple[dict, set[str]]:
+    """dist_checkpointing.load of the chunk into its own parameters (a collective); returns the
+    state dict and the checkpoint keys it read. A load error becomes one line naming the key.
 
     Megatron loads a fused weight (each expert's gate/up fc1) as pieces, views of the
     parameter, then `torch.cat`s them into a new tensor: a copy of most of an MoE's weights,
@@ -121,13 +126,24 @@ def _load_in_place(chunk, ckpt: str) -> dict:
     returns the parameter itself. (A merge it does not recognise still cats: correct, bigger.)
     """
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dapo_megatron.weights.hf_io import CheckpointError
     template = chunk.sharded_state_dict()
+    keys = {v.key for v in nested_values(template) if isinstance(v, (ShardedTensor, ShardedTensorFactory))}
     for factory in nested_values(template):
         if isinstance(factory, ShardedTensorFactory):
             factory.merge_fn = _merge_in_place(factory.data, factory.merge_fn)
-    return dist_checkpointing.load({"model": template}, ckpt).get("model", {})
+    try:
+        return dist_checkpointing.load({"model": template}, ckpt).get("model", {}), keys
+    except (CheckpointException, CheckpointingException) as e:  # DCP's is a BaseException
+        if isinstance(e, CheckpointException):  # {rank: (exception, stack)}, each with its traceback
+            e = e.failures[min(e.failures)][0]
+        why = f"it has no tensor {e.args[0]}" if isinstance(e, KeyError) else f"{type(e).__name__}: {e}"
+        raise CheckpointError(f"cannot load {ckpt} into the model that the HF config describes: {why}") from None
 
 
 def _merge_in_place(data, merge):
@@ -268,6 +284,7 @@ def hf_to_mcore(args) -> str:
 
 
 def mcore_to_hf(args) -> str:
+    from dapo_megatron.train import integrity
     from dapo_megatron.train.parallel import run_workers
     from dapo_megatron.weights.hf_io import finalize_shards
     if not os.path.isdir(args.ckpt) or not os.path.exists(os.path.join(args.ckpt, "metadata.json")):
@@ -275,6 +292,8 @@ def mcore_to_hf(args) -> str:
     hf_config = args.hf_config or os.path.join(args.ckpt, HF_SUBDIR)
     _check_hf_dir(hf_config)
     dtype = _ckpt_dtype(args.ckpt, hf_config) if args.dtype == "keep" else args.dtype
+    integrity.check(args.ckpt)  # every file's size and CRC32, while the workers import
+    tensors = _tensor_keys(args.ckpt)
     layout = _layout(args)
     tmp = _temp_dir(args.out, args.force)
     try:
@@ -282,6 +301,7 @@ def mcore_to_hf(args) -> str:
         results = run_workers(_mcore_to_hf_worker, world, os.path.abspath(args.ckpt), os.path.abspath(hf_config),
                               tmp, layout, dtype, args.shard_mb << 20, pick_device(args.device, world),
                               timeout_s=args.timeout)
+        _check_all_loaded(args.ckpt, hf_config, tensors, set().union(*(r["keys"] for r in results)))
         weight_map, total = {}, 0
         for r in results:
             weight_map.update(r.get("weight_map", {}))
@@ -292,6 +312,26 @@ def mcore_to_hf(args) -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return args.out
+
+
+def _tensor_keys(ckpt: str) -> set[str]:
+    """The model tensors a dist checkpoint holds (without a training checkpoint's optimizer state)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    meta = FileSystemReader(ckpt).read_metadata().state_dict_metadata
+    return {k for k, v in meta.items() if isinstance(v, TensorStorageMetadata) and not _OPTIMIZER_KEY.match(k)}
+
+
+def _check_all_loaded(ckpt: str, hf_config: str, tensors: set[str], loaded: set[str]) -> None:
+    """A checkpoint tensor that no rank loaded would be dropped from the export without a word:
+    the HF config describes another model (e.g. tied embeddings where the checkpoint has an
+    output layer). A tensor the model needs and the checkpoint lacks already fails the load."""
+    from dapo_megatron.weights.hf_io import CheckpointError
+    unused = sorted(tensors - loaded)
+    if unused:
+        raise CheckpointError(f"{ckpt} holds {len(unused)} tensor(s) that the model of "
+                              f"{os.path.join(hf_config, 'config.json')} has no place for: {', '.join(unused[:3])}"
+                              f"{' ...' if len(unused) > 3 else ''}; pass the --hf-config it was written from")
 
 
 def build_parser() -> argparse.ArgumentParser:

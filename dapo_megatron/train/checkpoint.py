@@ -1,12 +1,14 @@
 """Actor checkpoints on Megatron's `dist_checkpointing`: model + optimizer + LR schedule + RNG +
 the driver's trainer state, published atomically.
 
-    <root>/step_<N>/         a dist checkpoint (torch_dist) + rng/rank_<r>.pt
+    <root>/step_<N>/         a dist checkpoint (torch_dist) + rng/rank_<r>.pt + checksums.json
     <root>/latest            the name of the newest complete step folder, written last
 
 A save writes into `<root>/.tmp-step_<N>`, renames it to `step_<N>` when every rank is done,
 then replaces `latest` (write + rename), then prunes to the newest `keep` folders. A process
-killed anywhere in between leaves the previous checkpoint and `latest` untouched.
+killed anywhere in between leaves the previous checkpoint and `latest` untouched. A load first
+checks every file's size and CRC32 against checksums.json (`train/integrity.py`) and names the
+first damaged one.
 
 Model weights reshard on load to any TP / PP / EP layout. The distributed optimizer's state is
 saved in the `fully_reshardable` format; megatron-core 0.16.1 reloads it at the same layout and
@@ -20,6 +22,9 @@ import shutil
 
 import torch
 import torch.distributed as dist
+
+from dapo_megatron.train.integrity import check, write_manifest
+from dapo_megatron.weights.hf_io import CheckpointError
 
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _PREFIX = "step_"
@@ -173,8 +178,8 @@ def dist_save(sharded_state_dict: dict, path: str) -> None:
     if getattr(filesystem_async, "_results_queue", "absent") is None:  # unset, and the name exists
         filesystem_async._results_queue = queue.Queue()
     # Each tensor is written by torch.save, whose CRC32 of the bytes nothing ever reads: DCP's
-    # load goes through torch.load, which does not check it (a flipped byte in a .distcp loads
-    # silently; torch 2.13). Computing it took ~25% of the save's CPU here.
+    # load goes through torch.load, which does not check it (torch 2.13). Computing it took ~25%
+    # of the save's CPU here; the callers' per-file manifest (`integrity`) is what a load checks.
     crc = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
     try:
@@ -208,7 +213,7 @@ def save_checkpoint(actor, root: str, step: int, trainer_state: dict, *, keep: i
     dist_save(sd, tmp)
     os.makedirs(os.path.join(tmp, "rng"), exist_ok=True)
     torch.save(_rng_state(), os.path.join(tmp, "rng", f"rank_{rank}.pt"))
-    dist.barrier()  # every rank has written its shards: the folder is complete
+    write_manifest(tmp)  # after a barrier: every rank has written its files, the folder is complete
     if rank == 0:
         _publish(tmp, final)
         _write_atomic(os.path.join(root, "latest"), os.path.basename(final))
@@ -244,6 +249,10 @@ def load_checkpoint(actor, path: str, *, load_optimizer: bool = True) -> dict:
     """Load `path` into the actor (resharding the weights to this layout); returns the trainer
     state saved with it. With `load_optimizer=False` the optimizer keeps its fresh state."""
     from megatron.core import dist_checkpointing
+    try:
+        check(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}. Resume from an earlier step_<N> folder with trainer.resume_mode=<its path>") from None
     common = dist_checkpointing.load_common_state_dict(path)
     if load_optimizer:
         _check_optimizer_layout(common["layout"], _layout(actor), path)

@@ -117,6 +117,28 @@ def _crashing_save(real_save):
     return save
 
 
+def _load_damaged_copy(actor, path: str) -> str:
+    """The error of loading a copy of `path` with one bit flipped in a .distcp."""
+    import glob
+    import shutil
+    import tempfile
+    from dapo_megatron.train import checkpoint as ckpt
+    from dapo_megatron.weights.hf_io import CheckpointError
+    bad = os.path.join(tempfile.mkdtemp(), "step_2")
+    shutil.copytree(path, bad)
+    target = sorted(glob.glob(os.path.join(bad, "*.distcp")))[0]
+    data = bytearray(open(target, "rb").read())
+    data[len(data) // 2] ^= 1
+    open(target, "wb").write(bytes(data))
+    try:
+        ckpt.load_checkpoint(actor, bad)
+    except CheckpointError as e:
+        return str(e)
+    finally:
+        shutil.rmtree(os.path.dirname(bad))
+    return "loaded without an error"
+
+
 def _exiting_save(real_save):
     def save(*args, **kwargs):
         real_save(*args, **kwargs)
@@ -160,6 +182,7 @@ def resume_job(hf_dir: str, parallel: dict, root: str, phase: str) -> bytes:
         out["metrics"] = [_train_step(actor, 3)]
         out["logprobs_after_3"] = actor.compute_logprobs(make_batch(seed=0), with_entropy=False)["logprobs"]
         return pack(out)
+    out["damaged_error"] = _load_damaged_copy(actor, path)
     try:
         ckpt.load_checkpoint(actor, path)
     except ValueError as e:

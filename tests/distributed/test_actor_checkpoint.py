@@ -2,12 +2,16 @@
 
 Three spawns share one checkpoint folder: EP2 training (2 steps, save, step 3, a save that raises
 mid-write), an EP2 resume in fresh processes (step 3 again), and a TP1 load of the EP2 checkpoint
-(optimizer state refused with a clear message, weights resharded), whose last act is a save
-killed with os._exit after writing its shards.
+(a copy with one flipped bit refused, naming the file; optimizer state refused with a clear
+message; weights resharded), whose last act is a save killed with os._exit after writing its
+shards.
 """
 import os
+import subprocess
+import sys
 
 import pytest
+import torch
 
 from dapo_megatron.train.parallel import WorkerError, run_workers
 
@@ -64,6 +68,27 @@ def test_weights_reshard_ep2_to_tp1_and_optimizer_refusal_is_clear(runs):
     assert res["trainer_state"]["step"] == 2
     diff = (res["logprobs_after_2"] - runs["train"][0]["logprobs_after_2"]).abs().max().item()
     assert diff <= 1e-5
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file(runs):
+    assert "checksums.json" in dict(runs["step2_files"])
+    err = runs["reshard"]["damaged_error"]
+    assert "is damaged" in err and ".distcp" in err and "trainer.resume_mode" in err, err
+
+
+def test_a_training_checkpoint_exports_to_hf(runs, tiny_hf_models, tmp_path):
+    """mcore-to-hf on a step folder: the model's tensors are exported, the Adam state (keys
+    `chained_<i>.optimizer.*`) is not mistaken for tensors the model has no place for."""
+    hf, out = tiny_hf_models["moe"], tmp_path / "hf"
+    cmd = [sys.executable, "-W", "ignore", "-m", "dapo_megatron.convert", "mcore-to-hf", "--ckpt",
+           os.path.join(runs["root"], "step_2"), "--hf-config", hf, "--out", str(out), "--tp", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from dapo_megatron.weights import HFCheckpoint
+    before, after = HFCheckpoint(hf), HFCheckpoint(str(out))
+    assert before.keys() == after.keys()
+    assert all(before.read(k).shape == after.read(k).shape for k in before.keys())
+    assert any(not torch.equal(before.read(k), after.read(k)) for k in before.keys())  # two steps trained
 
 
 def test_kill_during_save_leaves_latest_on_previous(runs):

@@ -53,6 +53,7 @@ def saved(tiny_hf_models, tmp_path_factory):
 def test_round_trip_through_dist_checkpoint(tmp_path, tiny_hf_models, saved, model, load):
     hf, ckpt, back = tiny_hf_models[model], saved[model], tmp_path / "hf_back"
     assert (ckpt / "hf" / "config.json").exists() and (ckpt / "metadata.json").exists()
+    assert ".metadata" in json.loads((ckpt / "checksums.json").read_text())["crc32"]
     again = _convert("hf-to-mcore", "--hf-dir", hf, "--out", ckpt)  # refuses to overwrite
     assert again.returncode == 2 and "--force" in _error_line(again)
     proc = _convert("mcore-to-hf", "--ckpt", ckpt, "--out", back, "--shard-mb", 1, *load)
@@ -117,4 +118,56 @@ def test_bad_input_is_one_clear_line(tmp_path, tiny_hf_models, case):
     proc = _convert("hf-to-mcore", "--hf-dir", bad, "--out", out, "--tp", 2)
     assert proc.returncode == 2
     assert expect in _error_line(proc)
+    _assert_nothing_left(str(out))
+
+
+def _flip_a_byte(ckpt):
+    path = max(ckpt.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    with open(path, "r+b") as f:
+        f.seek(path.stat().st_size // 2)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+    return path.name
+
+
+def _truncate_without_manifest(ckpt):
+    (ckpt / "checksums.json").unlink()  # as written by another tool: the byte ranges are still checked
+    path = min(ckpt.glob("*.distcp"))
+    os.truncate(path, path.stat().st_size - 100)
+    return path.name
+
+
+def _config(edit):
+    def apply(ckpt):
+        cfg = json.loads((ckpt / "hf" / "config.json").read_text())
+        edit(cfg)
+        (ckpt / "hf" / "config.json").write_text(json.dumps(cfg))
+    return apply
+
+
+DAMAGE = {  # what is done to a copy of the TP2xEP2 MoE checkpoint -> words the error line must hold
+    "flipped_byte": (_flip_a_byte, ["is damaged", "CRC32"]),
+    "truncated_no_manifest": (_truncate_without_manifest, ["truncated"]),
+    "config_tied": (_config(lambda c: c.update(tie_word_embeddings=True)), ["output_layer.weight", "no place"]),
+    "config_shape": (_config(lambda c: c.update(moe_intermediate_size=c["moe_intermediate_size"] // 2)),
+                     ["shape mismatch", "linear_fc1.weight"]),
+}
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_a_damaged_or_mismatched_dist_checkpoint_is_one_clear_line(tmp_path, saved, case):
+    """mcore-to-hf: a damaged file (checked against checksums.json, or the byte ranges of
+    .metadata), a checkpoint tensor the config has no place for (it would be dropped silently), a
+    shape the config disagrees with."""
+    damage, words = DAMAGE[case]
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved["moe"], ckpt)
+    name = damage(ckpt)
+    out = tmp_path / "out" / "hf"
+    out.parent.mkdir()
+    proc = _convert("mcore-to-hf", "--ckpt", ckpt, "--out", out, "--pp", 2)
+    assert proc.returncode == 2
+    line = _error_line(proc)
+    assert all(w in line for w in words + [name or ""]), line
     _assert_nothing_left(str(out))
