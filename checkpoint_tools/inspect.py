@@ -1,11 +1,12 @@
 """List the tensors of a checkpoint: names, shapes, dtypes and layout.
 
-    python checkpoint_tools/inspect.py DIR [--filter SUBSTRING]
+    python checkpoint_tools/inspect.py DIR [--filter SUBSTRING] [--check]
 
 DIR is an HF safetensors dir (config.json + model*.safetensors) or a Megatron dist checkpoint
 (torch_dist: metadata.json + .metadata); for the latter the layout column gives the number of
 saved chunks per tensor and the layout (TP/PP/EP) the checkpoint was written with, if known.
-Reads headers and metadata only: fast on any checkpoint size, no Megatron import.
+Reads headers and metadata only: fast on any checkpoint size, no Megatron import. `--check`
+also reads every file of a dist checkpoint against its checksums.json (`train/integrity.py`).
 """
 from __future__ import annotations
 
@@ -53,6 +54,10 @@ def mcore_rows(path: str) -> tuple[list[tuple], str]:
         with open(extra) as f:
             m = json.load(f)
         info = f", written at {m.get('layout')} in {m.get('dtype')}"
+    manifest = os.path.join(path, "checksums.json")
+    if os.path.exists(manifest):
+        with open(manifest) as f:
+            info += f"; checksums.json lists {len(json.load(f)['crc32'])} files (--check reads them)"
     return rows, f"Megatron dist checkpoint (torch_dist){info}"
 
 
@@ -79,10 +84,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("path")
     p.add_argument("--filter", default="", help="only names containing this substring")
+    p.add_argument("--check", action="store_true", help="dist checkpoint: also check every file's size and "
+                   "CRC32 against checksums.json (reads every byte)")
     args = p.parse_args(argv)
     from dapo_megatron.weights.hf_io import CheckpointError
     try:
         print(inspect(args.path, args.filter))
+        if args.check:
+            from dapo_megatron.train.integrity import check
+            check(args.path)
+            print("check: OK")
     except (CheckpointError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
