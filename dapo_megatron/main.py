@@ -77,7 +77,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return EXIT_BAD_INPUT
     from dapo_megatron.driver.loop import run
-    return run(cfg)
+    from dapo_megatron.weights.hf_io import CheckpointError
+    try:
+        return run(cfg)
+    except CheckpointError as exc:  # the checkpoint to resume from is damaged: one line, like a bad config
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
 
 
 if __name__ == "__main__":

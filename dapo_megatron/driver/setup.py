@@ -15,6 +15,7 @@ from dapo_megatron.driver.collect import RewardScorer
 from dapo_megatron.driver.placement import Placement, init_ray, place
 from dapo_megatron.rollout.checksum import checksum_mismatches
 from dapo_megatron.rollout.types import Sampling
+from dapo_megatron.weights.hf_io import CheckpointError
 
 
 @dataclass
@@ -139,7 +140,10 @@ def resume(run) -> None:
     path = resolve_resume(run.cfg.trainer.resume_mode, os.path.join(run.ctx.out_dir, "checkpoints"))
     if path is None:
         return
-    state = as_role("actor", run.ctx.train.load, path)
+    try:
+        state = as_role("actor", run.ctx.train.load, path)
+    except CheckpointError as exc:  # raised in a training rank; Ray wraps it with its traceback
+        raise CheckpointError(str(getattr(exc, "cause", None) or exc)) from None
     run.step, run.syncs = state["step"], state["syncs"]
     run.prompts.load_state_dict(state["prompts"])
     run.sampler.load_state_dict(state["dynamic_sampling"])

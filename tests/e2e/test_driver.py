@@ -1,5 +1,6 @@
 """The DAPO loop end to end on a local Ray cluster: 2 training ranks (EP2) and one vLLM-CPU engine.
-Two steps, a checkpoint, then a resumed run that continues the step count and prompt position."""
+Two steps, a checkpoint, then a resumed run that continues the step count and prompt position;
+a damaged checkpoint stops the resume with one line naming the file."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,10 @@ HERE = os.path.dirname(__file__)
 
 def _cfg(tiny_assets, out_dir, steps, **extra):
     from dapo_megatron.config import load_config
+    return load_config("quickstart", _overrides(tiny_assets, out_dir, steps, **extra))
+
+
+def _overrides(tiny_assets, out_dir, steps, **extra) -> list[str]:
     overrides = {
         "model.path": str(tiny_assets / "qwen3_moe"),
         "data.train_files": f"[{tiny_assets / 'data' / 'train.parquet'}]",
@@ -23,14 +28,14 @@ def _cfg(tiny_assets, out_dir, steps, **extra):
         "trainer.test_freq": 2, "trainer.val_before_train": "false", "trainer.default_local_dir": str(out_dir),
         "trainer.logger": "[console,jsonl]", "reward.custom_fn": f"{HERE}/parity_reward.py:compute_score",
         **extra}
-    return load_config("quickstart", [f"{k}={v}" for k, v in overrides.items()])
+    return [f"{k}={v}" for k, v in overrides.items()]
 
 
 def _rows(out_dir):
     return [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
 
 
-def test_two_steps_then_resume(tiny_assets, tmp_path):
+def test_two_steps_then_resume(tiny_assets, tmp_path, capsys):
     import ray
 
     from dapo_megatron.driver.loop import run
@@ -54,6 +59,19 @@ def test_two_steps_then_resume(tiny_assets, tmp_path):
         ray.shutdown()
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]  # resumed at step 3, not from scratch
+    # One flipped bit in the newest checkpoint: the resume stops with one line naming the file.
+    from dapo_megatron.main import main
+    damaged = sorted((out / "checkpoints" / "step_3").glob("*.distcp"))[0]
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 1
+    damaged.write_bytes(bytes(data))
+    capsys.readouterr()
+    try:
+        assert main(["--config-name", "quickstart", *_overrides(tiny_assets, out, steps=4)]) == 2
+    finally:
+        ray.shutdown()
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and f"{damaged} is damaged" in err[0] and "trainer.resume_mode" in err[0], err
 
 
 def test_killed_engine_is_a_clear_error_and_restart_resumes(tiny_assets, tmp_path):
