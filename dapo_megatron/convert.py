@@ -229,8 +229,7 @@ def _copy_aux(src: str, dst: str, dtype: str | None = None) -> None:
             shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
     if dtype:
         path = os.path.join(dst, "config.json")
-        with open(path) as f:
-            cfg = json.load(f)
+        cfg = _read_json(path)
         cfg["dtype"] = _TORCH_NAMES[dtype]
         if "torch_dtype" in cfg:  # the transformers 4 name of the same field
             cfg["torch_dtype"] = _TORCH_NAMES[dtype]
@@ -238,9 +237,19 @@ def _copy_aux(src: str, dst: str, dtype: str | None = None) -> None:
             json.dump(cfg, f, indent=2)
 
 
+def _read_json(path: str, key: str | None = None):
+    """A JSON file (or its `key`); a broken one is a UsageError naming it."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        return data if key is None else data[key]
+    except (ValueError, KeyError, TypeError) as e:
+        what = f"has no {key!r}" if isinstance(e, (KeyError, TypeError)) else f"is not valid JSON ({e})"
+        raise UsageError(f"{path} {what}") from None
+
+
 def _hf_dtype(hf_dir: str) -> str:
-    with open(os.path.join(hf_dir, "config.json")) as f:
-        cfg = json.load(f)
+    cfg = _read_json(os.path.join(hf_dir, "config.json"))
     return _DTYPE_NAMES.get(cfg.get("dtype") or cfg.get("torch_dtype") or "float32", "fp32")
 
 
@@ -249,8 +258,7 @@ def _ckpt_dtype(ckpt: str, hf_config: str) -> str:
     meta = os.path.join(ckpt, META_FILE)
     if not os.path.exists(meta):
         return _hf_dtype(hf_config)
-    with open(meta) as f:
-        return json.load(f)["dtype"]
+    return _read_json(meta, "dtype")
 
 
 def _check_hf_dir(hf_dir: str) -> None:

@@ -1,5 +1,5 @@
-"""The converter's zero-copy helpers: which fused-weight merges are the parameter itself, and
-tensors torch.save writes without their neighbours' bytes."""
+"""The converter's helpers: which fused-weight merges are the parameter itself, tensors
+torch.save writes without their neighbours' bytes, and a broken metadata file named in its error."""
 import io
 
 import pytest
@@ -53,3 +53,13 @@ def test_exact_storage_keeps_an_exact_tensor_and_clones_a_strided_view():
     copy = _exact_storage(cols)
     assert copy.is_contiguous() and copy.data_ptr() != t.data_ptr() and torch.equal(copy, cols)
     assert copy.untyped_storage().nbytes() == copy.numel() * copy.element_size()
+
+
+@pytest.mark.parametrize("text,expect", [("{", "is not valid JSON"), ('{"layout": {}}', "has no 'dtype'"),
+                                         ("[1]", "has no 'dtype'")])
+def test_a_broken_metadata_file_is_named(tmp_path, text, expect):
+    from dapo_megatron.convert import META_FILE, UsageError, _ckpt_dtype
+    (tmp_path / META_FILE).write_text(text)
+    with pytest.raises(UsageError, match=expect) as err:
+        _ckpt_dtype(str(tmp_path), str(tmp_path))
+    assert str(tmp_path / META_FILE) in str(err.value)
