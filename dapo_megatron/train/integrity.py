@@ -21,6 +21,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 from dapo_megatron.weights.hf_io import CheckpointError
+from dapo_megatron.weights.load import agree_on_errors
 
 MANIFEST = "checksums.json"
 _REQUIRED = ("metadata.json", ".metadata", "common.pt")  # what megatron's torch_dist load opens
@@ -99,6 +100,10 @@ def write_manifest(root: str) -> None:
 def check(root: str) -> None:
     """Raise CheckpointError naming the first damaged or missing file of dist checkpoint `root`.
     Collective when a process group is up (each rank reads its share; all raise the same)."""
+    agree_on_errors(_check_share, root)
+
+
+def _check_share(root: str) -> None:
     rank, world = _rank_world()
     try:
         problem = _structure(root)
@@ -106,9 +111,8 @@ def check(root: str) -> None:
             problem = _checksums(root, rank, world)
     except OSError as e:
         problem = f"cannot read {e.filename or root}: {e.strerror or e}"
-    problems = [p for p in _gather(problem) if p]
-    if problems:
-        raise CheckpointError(problems[0])
+    if problem:
+        raise CheckpointError(problem)
 
 
 def _structure(root: str) -> str | None:
