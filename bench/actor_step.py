@@ -79,7 +79,7 @@ def megatron_tokens_per_s(hf_dir: str, batch, repeats: int, dtype: str, dev) -> 
     init_parallel(ParallelConfig(), dev)
     actor = Actor(actor_jobs.actor_config({}, ppo_mini_batch_size=len(batch), max_tokens_per_microbatch=16384),
                   hf_dir, n=1, total_steps=100, dtype=dtype)
-    batch.old_logprobs = actor_jobs.perturbed_old(actor.compute_logprobs(batch, with_entropy=False)["logprobs"])
+    batch.old_logprobs = actor_jobs.perturbed_old(actor_jobs.everywhere(actor.compute_logprobs(batch))["logprobs"])
     batch.ref_logprobs = batch.old_logprobs - 0.05
     tokens = sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
     return best_tokens_per_s(lambda: actor.update(batch), tokens, repeats, dev)

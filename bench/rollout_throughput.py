@@ -65,6 +65,7 @@ def main() -> None:
         path = build_tiny_model(args.kind, f"{tmp}/m", vocab_size=1024, seed=0)
         t0 = time.perf_counter()
         import vllm.v1.engine.llm_engine  # noqa: F401  (timed apart from the engine start)
+        from dapo_megatron.batch import Prompt
         from dapo_megatron.rollout.engine import Engine
         from dapo_megatron.rollout.types import Sampling
         rows.append(("import vllm + engine module", f"{time.perf_counter() - t0:.1f} s"))
@@ -73,7 +74,7 @@ def main() -> None:
         rows.append(("engine start-up (in-process)", f"{engine.startup_s:.1f} s"))
 
         g = torch.Generator().manual_seed(0)
-        prompts = torch.randint(0, 1024, (args.prompts, args.prompt_len), generator=g).tolist()
+        prompts = [Prompt(tuple(p)) for p in torch.randint(0, 1024, (args.prompts, args.prompt_len), generator=g).tolist()]
         sampling = Sampling(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0)
         engine.generate(prompts[:2], Sampling(max_tokens=8))  # warm-up
         t0 = time.perf_counter()

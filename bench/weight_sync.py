@@ -70,18 +70,18 @@ def _raw_transfer(nbytes: int, bucket_bytes: int, repeats: int) -> float:
 
 def _raw_broadcast(nbytes: int, bucket_bytes: int, repeats: int, device: str) -> float:
     """Seconds to broadcast `nbytes` in flat buckets from one Ray actor to another over the
-    broadcast transport's own group (weights/collective.py), without headers or loading."""
+    broadcast transport's own group (weights/transport.py), without headers or loading."""
     import ray
     import torch
     from dapo_megatron.device import get_device
-    from dapo_megatron.driver.workers import _free_port
-    from dapo_megatron.weights import collective
+    from dapo_megatron.train.parallel import free_port
+    from dapo_megatron.weights import transport
 
     @ray.remote(num_cpus=0)
     class Peer:
         def run(self, address, rank: int, sizes: list[int], repeats: int) -> list[float]:
             dev = get_device(device)
-            group = collective.connect(dev, *address, rank=rank, size=2)
+            group = transport.connect(dev, *address, rank=rank, size=2)
             buffers = [torch.ones(n, dtype=torch.uint8, device=dev.current_device()) for n in sizes]
             times = []
             for _ in range(repeats):
@@ -92,7 +92,7 @@ def _raw_broadcast(nbytes: int, bucket_bytes: int, repeats: int, device: str) ->
             return times
 
     sizes = [min(bucket_bytes, nbytes - s) for s in range(0, nbytes, bucket_bytes)]
-    address = (ray.util.get_node_ip_address(), _free_port())
+    address = (ray.util.get_node_ip_address(), free_port(""))
     peers = [Peer.remote(), Peer.remote()]
     times = ray.get([p.run.remote(address, r, sizes, repeats) for r, p in enumerate(peers)])[1]
     for peer in peers:

@@ -61,11 +61,11 @@ def megatron_logits(chunks, tokens: torch.Tensor) -> torch.Tensor | None:
 
 def _worker(hf_dir: str, ckpt: str | None, layout: dict, prompts: list) -> list:
     from dapo_megatron.config.schema import ParallelConfig
-    from dapo_megatron.models import build_model, load_hf_config
+    from dapo_megatron.models import ModelSpec, build_model
     from dapo_megatron.train.parallel import init_parallel
     from dapo_megatron.weights import load_hf_checkpoint
-    init_parallel(ParallelConfig(**layout), key="verify")
-    chunks = build_model(load_hf_config(hf_dir), dtype="fp32", perform_initialization=False)
+    init_parallel(ParallelConfig(**layout))
+    chunks = build_model(ModelSpec.from_pretrained(hf_dir), dtype="fp32", perform_initialization=False)
     if ckpt:
         from megatron.core import dist_checkpointing
         state = dist_checkpointing.load({"model": chunks[0].sharded_state_dict()}, ckpt)
@@ -98,9 +98,11 @@ def verify(hf_dir: str, layout: dict, texts: list[str], ckpt: str | None = None)
     """Max |Megatron - HF| logits per prompt."""
     from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.convert import world_for_layout
+    from dapo_megatron.convert import checked_layout, world_for_layout
+    from dapo_megatron.models import ModelSpec
     from dapo_megatron.train.integrity import check
     from dapo_megatron.train.parallel import run_workers
+    layout = checked_layout(layout, ModelSpec.from_pretrained(hf_dir))
     if ckpt:
         check(ckpt)  # a damaged file is named here, not found as a logits difference
     prompts, lengths = _prompts(hf_dir, texts, layout["tp"])

@@ -1,47 +1,105 @@
-"""RolloutBatch: the one record that flows generate -> score -> filter -> log-probs -> update.
+"""The batch schema: ONE table of fields, and RolloutBatch, whose every operation iterates it.
 
-Token sequences are ragged (each prompt and response has its own length), so they are kept as
-lists of 1-D tensors; per-token training quantities are right-padded `[B, T]` tensors over the
-response positions (T = the longest response), with `loss_mask` marking real tokens. Between
-processes the driver passes Ray references to batches, never their contents.
+A field has a scope, which says what it is indexed by, and a storage dtype and pad value:
+
+    sample    one value per sample: a [B] tensor, or a list of B Python values (dtype None)
+    sequence  a ragged 1-D token sequence per sample: B tensors [L_i] (`prompts`, `responses`)
+    token     one value per response token: [B, T] right-padded with `pad`, T = longest response
+    position  one value (or row) per sequence position, prompt + response: B tensors [P_i + R_i, ...]
+
+Selecting samples, joining batches, building a batch from per-sample values, splitting it over
+DP ranks and packing micro-batches (`train/microbatch.py`) all iterate `FIELDS`, so a new field
+(image grids, routed experts) is one row here plus the code that fills it. Between processes the
+driver passes Ray references to batches, never their contents.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-# Fields indexed per sample (list or leading dim B); everything else in the batch is per-batch.
-_PER_TOKEN = ("loss_mask", "rollout_logprobs", "old_logprobs", "ref_logprobs", "advantages")
-_PER_SAMPLE = ("scores", "acc", "group", "prompt_index")
+SAMPLE, SEQUENCE, TOKEN, POSITION = "sample", "sequence", "token", "position"
+SCOPES = (SAMPLE, SEQUENCE, TOKEN, POSITION)
+
+
+@dataclass(frozen=True)
+class Field:
+    name: str
+    scope: str  # one of SCOPES
+    dtype: Optional[torch.dtype]  # storage dtype; None: a Python value per sample (scope sample only)
+    pad: float = 0  # value of padded positions / rows
+    doc: str = ""
+
+
+FIELDS: dict[str, Field] = {f.name: f for f in [
+    Field("prompts", SEQUENCE, torch.long, doc="prompt token ids as the engine saw them"),
+    Field("responses", SEQUENCE, torch.long, doc="response token ids"),
+    Field("loss_mask", TOKEN, torch.float32, doc="1 on response tokens the loss sees (default: all of them)"),
+    Field("rollout_logprobs", TOKEN, torch.float32, doc="log p(token) from the engine"),
+    Field("old_logprobs", TOKEN, torch.float32, doc="the actor's, recomputed before the update"),
+    Field("ref_logprobs", TOKEN, torch.float32, doc="the reference model's"),
+    Field("group", SAMPLE, torch.long, doc="the group (prompt) of the sample within the step"),
+    Field("prompt_index", SAMPLE, torch.long, doc="dataset index of the prompt"),
+    Field("scores", SAMPLE, torch.float32, doc="reward after shaping"),
+    Field("acc", SAMPLE, torch.bool, doc="answer correct"),
+    Field("advantages", SAMPLE, torch.float32, doc="GRPO advantage of the response (every token's)"),
+    Field("finish_reasons", SAMPLE, None, doc="stop | length | abort"),
+]}
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What a prompt is on its way from the dataset to an engine: token ids (chat template applied)
+    and, for vision-language models, its images."""
+    ids: tuple[int, ...]
+    images: tuple = ()
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 def pad_right(rows: Sequence[torch.Tensor], value: float = 0.0, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Ragged 1-D tensors -> [B, T] right-padded with `value` (T = the longest row, at least 1)."""
+    """Ragged tensors [L_i, ...] -> [B, L, ...] right-padded with `value` (L = the longest, at least 1)."""
     width = max((len(r) for r in rows), default=0) or 1
-    out = torch.full((len(rows), width), value, dtype=dtype or (rows[0].dtype if rows else torch.float32))
+    trailing = tuple(rows[0].shape[1:]) if rows else ()
+    out = torch.full((len(rows), width, *trailing), value,
+                     dtype=dtype or (rows[0].dtype if rows else torch.float32))
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out
 
 
-@dataclass
+def _is_list(f: Field) -> bool:
+    """Stored as a list of per-sample values rather than one tensor."""
+    return f.scope in (SEQUENCE, POSITION) or f.dtype is None
+
+
 class RolloutBatch:
-    prompts: list[torch.Tensor]  # B x [P_i] prompt token ids
-    responses: list[torch.Tensor]  # B x [R_i] response token ids
-    group: torch.Tensor  # [B] long: index of the prompt (group of n responses) within the step
-    prompt_index: torch.Tensor  # [B] long: dataset index of the prompt (for resume and logging)
-    rollout_logprobs: Optional[torch.Tensor] = None  # [B, T] from the engine
-    finish_reasons: list[str] = field(default_factory=list)  # B: "stop" | "length" | "abort"
-    ground_truths: list[str] = field(default_factory=list)  # B
-    data_sources: list[str] = field(default_factory=list)  # B
-    scores: Optional[torch.Tensor] = None  # [B] reward after shaping
-    acc: Optional[torch.Tensor] = None  # [B] bool
-    old_logprobs: Optional[torch.Tensor] = None  # [B, T] actor before the update
-    ref_logprobs: Optional[torch.Tensor] = None  # [B, T] reference model
-    advantages: Optional[torch.Tensor] = None  # [B, T] (GRPO: the sequence advantage on every token)
+    """B samples (responses), one column per `FIELDS` row; a column not computed yet is None.
+
+    Columns read and write as attributes (`batch.old_logprobs = ...`); a name that is not in
+    `FIELDS` is an error, so a typo cannot create a column nobody reads.
+    """
+
+    def __init__(self, **columns: Any):
+        unknown = sorted(set(columns) - set(FIELDS))
+        if unknown:
+            raise KeyError(f"RolloutBatch has no field {unknown[0]!r}; the fields are dapo_megatron.batch.FIELDS")
+        self.__dict__["columns"] = {name: columns.get(name) for name in FIELDS}
+        if self.loss_mask is None and self.responses is not None:  # every response token counts
+            self.loss_mask = pad_right([torch.ones(len(r)) for r in self.responses])
+
+    def __getattr__(self, name: str):
+        columns = self.__dict__.get("columns", {})
+        if name in columns:
+            return columns[name]
+        raise AttributeError(f"RolloutBatch has no field {name!r}")
+
+    def __setattr__(self, name: str, value) -> None:
+        if name not in FIELDS:
+            raise AttributeError(f"RolloutBatch has no field {name!r}; add a row to dapo_megatron.batch.FIELDS")
+        self.columns[name] = value
 
     def __len__(self) -> int:
         return len(self.responses)
@@ -51,49 +109,65 @@ class RolloutBatch:
         return torch.tensor([len(r) for r in self.responses], dtype=torch.long)
 
     @property
-    def loss_mask(self) -> torch.Tensor:  # [B, T] float, 1 on real response tokens
-        lengths = self.response_lengths
-        width = max(int(lengths.max()) if len(lengths) else 0, 1)
-        return (torch.arange(width)[None, :] < lengths[:, None]).float()
-
-    @property
     def nbytes(self) -> int:
-        """Bytes of the batch's tensors (what a Ray put of it moves, less the small string fields)."""
+        """Bytes of the batch's tensors (what a Ray put of it moves, less Python values)."""
         total = 0
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
+        for value in self.columns.values():
             for t in value if isinstance(value, list) else [value]:
                 total += t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
         return total
 
-    def select(self, index: Sequence[int] | torch.Tensor) -> "RolloutBatch":
-        """The samples at `index`, in that order (per-token tensors keep their width)."""
-        idx = torch.as_tensor(index, dtype=torch.long)
-        picked = {}
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value is None or (isinstance(value, list) and not value):
-                picked[f.name] = value
-            elif isinstance(value, list):
-                picked[f.name] = [value[i] for i in idx.tolist()]
+    @classmethod
+    def from_samples(cls, samples: Sequence[dict]) -> "RolloutBatch":
+        """A batch from one dict per sample (field name -> that sample's value: a scalar for a
+        sample field, a 1-D tensor or list for sequence / token fields, a tensor [P + R, ...] for
+        position fields). A field no sample has is None; one that only some have is an error."""
+        columns = {}
+        for name, f in FIELDS.items():
+            have = [name in s for s in samples]
+            if not any(have):
+                continue
+            if not all(have):
+                raise ValueError(f"field {name!r} is set on {sum(have)} of {len(samples)} samples; set it on all")
+            values = [s[name] for s in samples]
+            if f.dtype is None:
+                columns[name] = values
+            elif f.scope == SAMPLE:
+                columns[name] = torch.tensor(values, dtype=f.dtype)
             else:
-                picked[f.name] = value[idx]
+                rows = [torch.as_tensor(v, dtype=f.dtype) for v in values]
+                columns[name] = pad_right(rows, f.pad, f.dtype) if f.scope == TOKEN else rows
+        return cls(**columns)
+
+    def select(self, index: Sequence[int] | torch.Tensor) -> "RolloutBatch":
+        """The samples at `index`, in that order (token columns keep their width)."""
+        idx = torch.as_tensor(index, dtype=torch.long)
+        rows = idx.tolist()
+        picked = {}
+        for name, value in self.columns.items():
+            if value is not None:
+                picked[name] = [value[i] for i in rows] if _is_list(FIELDS[name]) else value[idx]
         return RolloutBatch(**picked)
 
     @staticmethod
     def concat(batches: Sequence["RolloutBatch"]) -> "RolloutBatch":
-        """Join batches; per-token tensors are re-padded to the widest."""
+        """Join batches; token columns are re-padded to the widest. A column missing from any
+        batch is missing from the result."""
         if not batches:
             raise ValueError("RolloutBatch.concat needs at least one batch")
         out = {}
-        for f in dataclasses.fields(RolloutBatch):
-            values = [getattr(b, f.name) for b in batches]
+        for name, f in FIELDS.items():
+            values = [b.columns[name] for b in batches]
             if any(v is None for v in values):
-                out[f.name] = None
-            elif isinstance(values[0], list):
-                out[f.name] = [x for v in values for x in v]
-            elif f.name in _PER_TOKEN:
-                out[f.name] = pad_right([row for v in values for row in v], dtype=values[0].dtype)
+                continue
+            if _is_list(f):
+                out[name] = [x for v in values for x in v]
+            elif f.scope == TOKEN:
+                out[name] = pad_right([row for v in values for row in v], f.pad, f.dtype)
             else:
-                out[f.name] = torch.cat(values)
+                out[name] = torch.cat(values)
         return RolloutBatch(**out)
+
+    def present(self, scopes: Iterable[str]) -> list[Field]:
+        """The fields of these scopes that this batch holds, in table order."""
+        return [f for name, f in FIELDS.items() if f.scope in scopes and self.columns[name] is not None]

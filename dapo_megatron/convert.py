@@ -43,16 +43,16 @@ def _parallel(layout: dict):
 
 def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str, device: str) -> None:
     from dapo_megatron.device import get_device
-    from dapo_megatron.models import build_model, load_hf_config
+    from dapo_megatron.models import ModelSpec, build_model
     from dapo_megatron.train.checkpoint import dist_save
     from dapo_megatron.train.integrity import write_manifest
     from dapo_megatron.train.parallel import init_parallel
     from dapo_megatron.weights import load_hf_checkpoint
     dev = get_device(device)
-    init_parallel(_parallel(layout), dev, key="convert")
+    init_parallel(_parallel(layout), dev)
     # Every parameter is overwritten by the load: skip Megatron's random init, which on CPU
     # builds each full (unsharded) weight on every rank before slicing it.
-    chunks = build_model(load_hf_config(hf_dir), dtype=dtype, perform_initialization=False,
+    chunks = build_model(ModelSpec.from_pretrained(hf_dir), dtype=dtype, perform_initialization=False,
                          device=dev)
     load_hf_checkpoint(chunks, hf_dir, progress=True, adopt=True)
     dist_save({"model": _own_storage(chunks[0])}, out_dir)
@@ -100,12 +100,12 @@ def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dic
     from tqdm import tqdm
 
     from dapo_megatron.device import get_device
-    from dapo_megatron.models import build_model, load_hf_config
+    from dapo_megatron.models import ModelSpec, build_model
     from dapo_megatron.train.parallel import init_parallel
     from dapo_megatron.weights.export import write_hf_shards
     dev = get_device(device)
-    init_parallel(_parallel(layout), dev, key="convert")
-    chunks = build_model(load_hf_config(hf_config_dir), dtype=dtype, perform_initialization=False,
+    init_parallel(_parallel(layout), dev)
+    chunks = build_model(ModelSpec.from_pretrained(hf_config_dir), dtype=dtype, perform_initialization=False,
                          device=dev)
     state, keys = _load_in_place(chunks[0], ckpt)
     chunks[0].load_state_dict(state, strict=True)  # checks the keys; a tensor copied onto itself is skipped
@@ -171,8 +171,14 @@ def _tiles(data, pieces) -> bool:
 # Parent side: argument checks, temp folder, launching, finishing.
 
 
-def _layout(args) -> dict:
-    return dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
+def checked_layout(layout: dict, spec) -> dict:
+    """A --tp/--pp/--ep/--etp layout, checked against the model by the config's own rules (the
+    convert and verify tools)."""
+    from dapo_megatron.config.validate import check_parallel, check_parallel_fits_model
+    parallel, flag = _parallel(layout), lambda name: f"--{name}"
+    check_parallel(parallel, world_for_layout(layout) if min(layout.values()) >= 1 else 1, flag, "worker ranks")
+    check_parallel_fits_model(parallel, spec, flag, trains=False)
+    return layout
 
 
 def world_for_layout(layout: dict) -> int:
@@ -269,13 +275,14 @@ def _check_hf_dir(hf_dir: str) -> None:
 
 
 def hf_to_mcore(args) -> str:
-    from dapo_megatron.models import load_hf_config
+    from dapo_megatron.models import ModelSpec
     from dapo_megatron.train.parallel import run_workers
     from dapo_megatron.weights.load import check_hf_checkpoint
     _check_hf_dir(args.hf_dir)
-    check_hf_checkpoint(args.hf_dir, load_hf_config(args.hf_dir))  # fail fast, before any worker starts
+    spec = ModelSpec.from_pretrained(args.hf_dir)
+    layout = checked_layout(dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp), spec)
+    check_hf_checkpoint(args.hf_dir, spec)  # fail fast, before any worker starts
     dtype = _hf_dtype(args.hf_dir) if args.dtype == "keep" else args.dtype
-    layout = _layout(args)
     tmp = _temp_dir(args.out, args.force)
     try:
         world = world_for_layout(layout)
@@ -292,6 +299,7 @@ def hf_to_mcore(args) -> str:
 
 
 def mcore_to_hf(args) -> str:
+    from dapo_megatron.models import ModelSpec
     from dapo_megatron.train import integrity
     from dapo_megatron.train.parallel import run_workers
     from dapo_megatron.weights.hf_io import finalize_shards
@@ -300,9 +308,9 @@ def mcore_to_hf(args) -> str:
     hf_config = args.hf_config or os.path.join(args.ckpt, HF_SUBDIR)
     _check_hf_dir(hf_config)
     dtype = _ckpt_dtype(args.ckpt, hf_config) if args.dtype == "keep" else args.dtype
+    layout = checked_layout(dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp), ModelSpec.from_pretrained(hf_config))
     integrity.check(args.ckpt)  # every file's size and CRC32, while the workers import
     tensors = _tensor_keys(args.ckpt)
-    layout = _layout(args)
     tmp = _temp_dir(args.out, args.force)
     try:
         world = world_for_layout(layout)

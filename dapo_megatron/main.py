@@ -8,12 +8,10 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
-import os
 import sys
 from typing import Optional, Sequence
 
-from dapo_megatron.config import ConfigError, DapoConfig, check_model, check_path, load_config
+from dapo_megatron.config import ConfigError, DapoConfig, check_path, load_config
 
 EXIT_BAD_INPUT = 2
 
@@ -42,17 +40,14 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def check_inputs(cfg: DapoConfig) -> None:
-    """Paths that must exist, and the rules that need the model's shape."""
+    """Paths that must exist. The rules that need the model's shape run once the model path is
+    resolved (`driver/setup.prepare`, before Ray starts) and exit the same way."""
     if not cfg.model.path:
         raise ConfigError("model.path", "model.path is empty; set it to an HF checkpoint directory")
     check_path("model.path", cfg.model.path)
     for key in ("train_files", "val_files"):
         for path in getattr(cfg.data, key):
             check_path(f"data.{key}", path)
-    config_json = os.path.join(cfg.model.path, "config.json")
-    if os.path.isfile(config_json):
-        with open(config_json) as f:
-            check_model(cfg, json.load(f))
 
 
 def missing_modules() -> list[str]:
@@ -80,7 +75,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from dapo_megatron.weights.hf_io import CheckpointError
     try:
         return run(cfg)
-    except CheckpointError as exc:  # the checkpoint to resume from is damaged: one line, like a bad config
+    # The model does not fit the config, or the checkpoint to resume from is damaged: one line.
+    except (ConfigError, CheckpointError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
 

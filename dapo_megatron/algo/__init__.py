@@ -2,7 +2,7 @@
 
 Imports torch and the standard library only, so it is testable without Megatron, vLLM or Ray.
 """
-from dapo_megatron.algo.advantage import broadcast_advantages, compute_grpo_advantages
+from dapo_megatron.algo.advantage import compute_grpo_advantages
 from dapo_megatron.algo.kl import KL_KINDS, entropy_from_logits, kl_penalty, rollout_logprob_metrics
 from dapo_megatron.algo.loss import (LOSS_AGG_MODES, agg_loss, compute_policy_loss, loss_normalizer_counts,
                                      masked_mean)
@@ -12,7 +12,7 @@ from dapo_megatron.algo.shaping import overlong_penalty
 __all__ = [
     "KL_KINDS", "LOSS_AGG_MODES", "ON_EXHAUSTED",
     "DynamicSampler", "Group",
-    "agg_loss", "broadcast_advantages", "compute_grpo_advantages", "compute_policy_loss",
+    "agg_loss", "compute_grpo_advantages", "compute_policy_loss",
     "entropy_from_logits", "filter_groups", "kl_penalty", "loss_normalizer_counts", "masked_mean",
     "overlong_penalty", "rollout_logprob_metrics",
 ]

@@ -27,8 +27,3 @@ def compute_grpo_advantages(scores: torch.Tensor, group_index: torch.Tensor, eps
     if norm_by_std:
         adv = adv / (std[inverse] + eps)
     return adv.to(out_dtype)
-
-
-def broadcast_advantages(advantages: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
-    """Per-response advantages [B] -> per-token [B, T], zero where loss_mask is 0."""
-    return advantages.unsqueeze(-1) * loss_mask.to(advantages.dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Generic, Sequence, TypeVar
 
 import torch
 
@@ -29,11 +29,14 @@ def filter_groups(metric_values: torch.Tensor, group_index: torch.Tensor) -> tor
     return ((group_max != group_min) | (counts == 1))[inverse]
 
 
+P = TypeVar("P")
+
+
 @dataclass
-class Group:
-    """The n responses of one prompt: their filter metric values and whatever the driver needs back."""
+class Group(Generic[P]):
+    """The n responses of one prompt: their filter metric values and what the driver needs back."""
     metric_values: Sequence[float]  # [n], e.g. acc of each response
-    payload: Any = None  # opaque to the sampler (the responses, rewards, prompt index ...)
+    payload: P = None  # opaque to the sampler (the driver's ScoredGroup: responses, rewards, prompt)
 
 
 class DynamicSampler:

@@ -1,16 +1,21 @@
 """Every cross-field rule of the configuration, checked once at the entry point.
 
 Each rule raises `ConfigError(key, message)` whose message names the key to change. Rules that
-need the model's shape (heads, layers, experts) take the HF config as a plain dict so this module
-does not import transformers; `validate(cfg, hf_config=None)` skips them when it is not known yet.
+need the model's shape (heads, layers, experts) take its `ModelSpec` and run once the model is
+known (`check_model`). The parallel-layout rules also serve the convert CLI, whose keys are its
+flags (`--tp`): inner modules only assert what was checked here.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Optional
 
 from dapo_megatron.algo import KL_KINDS, LOSS_AGG_MODES, ON_EXHAUSTED
 from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.config.schema import DapoConfig, ParallelConfig
+from dapo_megatron.models.spec import ModelSpec
+from dapo_megatron.weights.transport import TRANSPORTS
+
+KeyFn = Callable[[str], str]  # a degree's name ("tp") -> the key a user changes ("actor.parallel.tp", "--tp")
 
 # Closed vocabularies, written once: key -> allowed values.
 CHOICES: dict[str, tuple] = {
@@ -27,7 +32,7 @@ CHOICES: dict[str, tuple] = {
     "algorithm.filter_groups.mode": ("sync", "early_stop"),
     "algorithm.filter_groups.on_exhausted": tuple(ON_EXHAUSTED),
     "rollout.name": ("vllm",),
-    "rollout.sync.transport": ("object_store", "broadcast"),
+    "rollout.sync.transport": tuple(TRANSPORTS),
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 
@@ -108,26 +113,47 @@ def data_parallel_size(p: ParallelConfig, devices: int) -> int:
     return devices // (p.tp * p.pp * p.cp)
 
 
-def _check_training_layout(role: str, p: ParallelConfig, devices: int) -> None:
+def _role_key(role: str) -> KeyFn:
+    return lambda name: f"{role}.parallel.{name}"
+
+
+def check_parallel(p: ParallelConfig, devices: int, key: KeyFn, what: str = "ranks") -> None:
+    """Degrees >= 1 that fit `devices`: TP x PP x CP (dense) and EP x ETP x PP (experts) divide it."""
     for name in ("tp", "pp", "vpp", "ep", "etp", "cp"):
-        _require(getattr(p, name) >= 1, f"{role}.parallel.{name}", f"{role}.parallel.{name} must be >= 1")
+        _require(getattr(p, name) >= 1, key(name), f"{key(name)} must be >= 1, got {getattr(p, name)}")
     model = p.tp * p.pp * p.cp
-    _require(devices % model == 0, f"{role}.parallel.tp",
-             f"{role}.parallel.tp ({p.tp}) x pp ({p.pp}) x cp ({p.cp}) = {model} must divide the {devices} "
-             f"devices of the {role}; change {role}.parallel.* or trainer.n_gpus_per_node")
+    _require(devices % model == 0, key("tp"),
+             f"{key('tp')} ({p.tp}) x {key('pp')} ({p.pp}) x {key('cp')} ({p.cp}) = {model} must divide the "
+             f"{devices} {what}")
     expert = p.ep * p.etp * p.pp
-    _require(devices % expert == 0, f"{role}.parallel.ep",
-             f"{role}.parallel.ep ({p.ep}) x etp ({p.etp}) x pp ({p.pp}) = {expert} must divide the {devices} "
-             f"devices of the {role}; change {role}.parallel.ep or {role}.parallel.etp")
-    _require(p.vpp == 1 or p.pp > 1, f"{role}.parallel.vpp",
-             f"{role}.parallel.vpp ({p.vpp}) needs {role}.parallel.pp > 1")
+    _require(devices % expert == 0, key("ep"),
+             f"{key('ep')} ({p.ep}) x {key('etp')} ({p.etp}) x {key('pp')} ({p.pp}) = {expert} must divide the "
+             f"{devices} {what}; change {key('ep')} or {key('etp')}")
+    _require(p.vpp == 1 or p.pp > 1, key("vpp"), f"{key('vpp')} ({p.vpp}) needs {key('pp')} > 1")
+
+
+def check_parallel_fits_model(p: ParallelConfig, spec: ModelSpec, key: KeyFn, *, trains: bool = True) -> None:
+    """A Megatron layout over this model: TP over the heads, PP x VPP over the layers, EP over the
+    experts; for training, the expert-TP rule below."""
+    heads, kv = spec.num_heads, spec.num_kv_heads
+    _require(heads % p.tp == 0 and kv % p.tp == 0, key("tp"),
+             f"{key('tp')} ({p.tp}) must divide the model's attention heads ({heads}) and key-value heads ({kv})")
+    _require(spec.num_layers % (p.pp * p.vpp) == 0, key("pp"),
+             f"{key('pp')} ({p.pp}) x {key('vpp')} ({p.vpp}) must divide the model's {spec.num_layers} layers")
+    _require(p.ep == 1 or (spec.num_experts and spec.num_experts % p.ep == 0), key("ep"),
+             f"{key('ep')} ({p.ep}) must divide the model's number of experts ({spec.num_experts})")
+    # megatron-core 0.16.1 reduces expert grads over the dense DP group only: with TP>1 and
+    # EP=1 each TP rank would keep half the expert gradient unless experts are TP-split too.
+    _require(not trains or not spec.is_moe or p.tp == 1 or p.ep > 1 or p.etp == p.tp, key("etp"),
+             f"{key('etp')} ({p.etp}) must equal {key('tp')} ({p.tp}) to train an MoE model with {key('ep')}=1 "
+             f"(megatron-core mis-reduces expert gradients otherwise); or raise {key('ep')}")
 
 
 def _check_layouts(cfg: DapoConfig) -> None:
     devices = role_devices(cfg)
-    _check_training_layout("actor", cfg.actor.parallel, devices["actor"])
+    check_parallel(cfg.actor.parallel, devices["actor"], _role_key("actor"), "devices of the actor")
     if cfg.actor.use_kl_loss:
-        _check_training_layout("ref", cfg.ref.parallel, devices["ref"])
+        check_parallel(cfg.ref.parallel, devices["ref"], _role_key("ref"), "devices of the reference")
         # The reference runs on the actor's ranks, inside the same Megatron parallel state.
         _require(cfg.ref.parallel == cfg.actor.parallel, "ref.parallel",
                  f"ref.parallel ({cfg.ref.parallel}) must equal actor.parallel ({cfg.actor.parallel}): the "
@@ -138,7 +164,9 @@ def _check_layouts(cfg: DapoConfig) -> None:
     _require(r.ep in (1, r.tp), "rollout.parallel.ep",
              f"rollout.parallel.ep ({r.ep}) must be 1 or equal rollout.parallel.tp ({r.tp}): vLLM spreads "
              f"experts over the engine's tensor-parallel ranks")
-    _require(r.pp == 1, "rollout.parallel.pp", "rollout.parallel.pp must be 1 (engines use TP and EP)")
+    for name in ("pp", "cp", "etp"):
+        _require(getattr(r, name) == 1, f"rollout.parallel.{name}",
+                 f"rollout.parallel.{name} must be 1 (an engine uses TP, and EP over the same ranks)")
     # Engine checksums merge the TP workers' slices; experts spread over EP ranks would need vLLM's
     # expert map, untestable on CPU, so EP engines rely on rollout/logprob_diff_* every step.
     _require(cfg.rollout.sync.verify_every == 0 or r.ep == 1, "rollout.sync.verify_every",
@@ -157,43 +185,30 @@ def _check_layouts(cfg: DapoConfig) -> None:
              f"{responses} responses must split evenly over the actor's {dp} data-parallel ranks")
 
 
-def check_model(cfg: DapoConfig, hf_config: Mapping[str, Any]) -> None:
-    """Rules that need the model's shape (a dict of HF config fields)."""
-    heads, kv = hf_config["num_attention_heads"], hf_config.get("num_key_value_heads") or hf_config["num_attention_heads"]
-    layers = hf_config["num_hidden_layers"]
-    experts = hf_config.get("num_experts") or hf_config.get("num_local_experts") or 0
+def check_model(cfg: DapoConfig, spec: ModelSpec) -> None:
+    """Rules that need the model's shape; run once, where the model is first known."""
     roles = [("actor", cfg.actor.parallel)] + ([("ref", cfg.ref.parallel)] if cfg.actor.use_kl_loss else [])
     for role, p in roles:
-        _require(heads % p.tp == 0 and kv % p.tp == 0, f"{role}.parallel.tp",
-                 f"{role}.parallel.tp ({p.tp}) must divide the model's attention heads ({heads}) and "
-                 f"key-value heads ({kv})")
-        _require(layers % (p.pp * p.vpp) == 0, f"{role}.parallel.pp",
-                 f"{role}.parallel.pp ({p.pp}) x vpp ({p.vpp}) must divide the model's {layers} layers")
-    for role, p in roles:
-        # megatron-core 0.16.1 reduces expert grads over the dense DP group only: with TP>1 and
-        # EP=1 each TP rank would keep half the expert gradient unless experts are TP-split too.
-        _require(not experts or p.tp == 1 or p.ep > 1 or p.etp == p.tp, f"{role}.parallel.etp",
-                 f"{role}.parallel.etp ({p.etp}) must equal {role}.parallel.tp ({p.tp}) for an MoE model with "
-                 f"{role}.parallel.ep=1 (megatron-core mis-reduces expert gradients otherwise); or raise ep")
-    for role, p in roles + [("rollout", cfg.rollout.parallel)]:
-        _require(p.ep == 1 or (experts and experts % p.ep == 0), f"{role}.parallel.ep",
-                 f"{role}.parallel.ep ({p.ep}) must divide the model's number of experts ({experts})")
+        check_parallel_fits_model(p, spec, _role_key(role))
     r = cfg.rollout.parallel
+    heads, kv, experts = spec.num_heads, spec.num_kv_heads, spec.num_experts
+    _require(r.ep == 1 or (experts and experts % r.ep == 0), "rollout.parallel.ep",
+             f"rollout.parallel.ep ({r.ep}) must divide the model's number of experts ({experts})")
     _require(heads % r.tp == 0 and (kv % r.tp == 0 or r.tp % kv == 0), "rollout.parallel.tp",
              f"rollout.parallel.tp ({r.tp}) must divide the attention heads ({heads}) and divide or be a "
              f"multiple of the key-value heads ({kv})")
-    max_pos = hf_config.get("max_position_embeddings")
+    max_pos = spec.max_position_embeddings
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
     _require(max_pos is None or total <= max_pos, "data.max_response_length",
              f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's "
              f"max_position_embeddings ({max_pos})")
 
 
-def validate(cfg: DapoConfig, hf_config: Optional[Mapping[str, Any]] = None) -> DapoConfig:
+def validate(cfg: DapoConfig, spec: Optional[ModelSpec] = None) -> DapoConfig:
     _check_choices(cfg)
     _check_positive(cfg)
     _check_algorithm(cfg)
     _check_layouts(cfg)
-    if hf_config is not None:
-        check_model(cfg, hf_config)
+    if spec is not None:
+        check_model(cfg, spec)
     return cfg

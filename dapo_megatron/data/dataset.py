@@ -4,6 +4,7 @@ A row: {data_source, prompt: [{role, content}, ...], reward_model: {ground_truth
 extra_info: {...}, ...}; other columns are ignored. Prompts longer than data.max_prompt_length
 tokens are filtered, truncated or rejected per data.truncation. Every error names the file and the
 0-based row index (for JSONL also the line), so a bad row in a 17k-row file is found in seconds.
+Paths are files: the caller resolves `tiny://` asset paths first (`assets.resolve_asset_path`).
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from typing import Any, Iterator
 
 import pyarrow.parquet as pq
 
-from dapo_megatron.assets.build import resolve_asset_path
+from dapo_megatron.batch import Prompt
 from dapo_megatron.config.schema import DataConfig
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,7 @@ class DataError(ValueError):
 @dataclass(frozen=True)
 class PromptItem:
     index: int  # position in this dataset: what the sampler hands out
-    prompt_ids: list[int]  # chat template applied (with the generation header), maybe truncated
+    prompt: Prompt  # ids: chat template applied (with the generation header), maybe truncated
     messages: list[dict[str, str]]  # the row's raw chat messages
     ground_truth: str
     data_source: str
@@ -50,7 +51,7 @@ class PromptDataset:
             raise DataError(f"{config_key} is empty: give at least one .parquet or .jsonl file")
         self.items: list[PromptItem] = []
         for path in files:
-            self._load_file(resolve_asset_path(path), tokenizer, config_key)
+            self._load_file(path, tokenizer, config_key)
         self.stats["kept"] = len(self.items)
         log.info("%s: %d rows from %d files, %d kept, %d bad rows skipped, %d longer than "
                  "data.max_prompt_length=%d (%s)", config_key, self.stats["rows"], len(files), len(self.items),
@@ -89,8 +90,8 @@ class PromptDataset:
         for (where, (messages, ground_truth, data_source, extra_info)), ids in zip(parsed, all_ids):
             ids = self._fit_length(list(ids), where)
             if ids is not None:
-                self.items.append(PromptItem(len(self.items), ids, messages, ground_truth, data_source,
-                                             extra_info, where))
+                self.items.append(PromptItem(len(self.items), Prompt(tuple(ids)), messages, ground_truth,
+                                             data_source, extra_info, where))
 
     def _bad_row(self, where: str, error: Exception) -> None:
         if not self._skip_bad_rows:

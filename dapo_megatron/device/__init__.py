@@ -58,6 +58,14 @@ class Device:
         """The Ray resource that counts one device of this kind (placement bundles use it)."""
         return _RAY_RESOURCE[self.kind]
 
+    def ray_options(self, share: float = 1.0) -> dict:
+        """Ray resources of an actor that holds `share` of one device of this kind."""
+        if self.kind == "cpu":
+            return dict(num_cpus=share)
+        if self.kind == "cuda":
+            return dict(num_cpus=0, num_gpus=share)
+        return dict(num_cpus=0, resources={self.ray_resource: share})
+
     @property
     def is_accelerator(self) -> bool:
         return self.kind != "cpu"

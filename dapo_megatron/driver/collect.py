@@ -7,40 +7,53 @@ early_stop: prompts go to the engines as capacity frees (least-loaded engine fir
             still in flight are aborted. Aborted and never-submitted prompts go back to the front
             of the prompt stream, so no prompt is skipped.
 Engines are Ray actor handles with the `rollout.Engine` methods; `score` turns finished
-`RolloutGroup`s into `algo.Group`s (metric values + payload), so tests can swap the reward.
+`RolloutGroup`s into `algo.Group`s whose payload is a `ScoredGroup`, so tests can swap the reward.
 """
 from __future__ import annotations
 
 import itertools
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import ray
 import torch
 
 from dapo_megatron.algo import DynamicSampler, Group
-from dapo_megatron.batch import RolloutBatch, pad_right
+from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.data.dataset import PromptDataset, PromptItem
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.rollout.types import RolloutGroup, Sampling
 
-ScoreFn = Callable[[Sequence[PromptItem], Sequence[RolloutGroup]], list[Group]]
+
+@dataclass
+class ScoredGroup:
+    """What a group carries from scoring to the batch: its prompt, its n responses, their rewards."""
+    item: PromptItem
+    rollout: RolloutGroup
+    scores: torch.Tensor  # [n] shaped reward
+    acc: torch.Tensor  # [n] bool
+
+    def samples(self, group: int) -> Iterator[dict]:
+        """One `RolloutBatch.from_samples` row per response; `group`: this group's position in the step."""
+        r = self.rollout
+        for j, response in enumerate(r.responses):
+            yield dict(prompts=r.prompt, responses=response, rollout_logprobs=r.rollout_logprobs[j],
+                       loss_mask=[1.0] * len(response), finish_reasons=r.finish_reasons[j], group=group,
+                       prompt_index=self.item.index, scores=float(self.scores[j]), acc=bool(self.acc[j]))
+
+
+ScoreFn = Callable[[Sequence[PromptItem], Sequence[RolloutGroup]], list[Group[ScoredGroup]]]
 
 
 @dataclass
 class Collected:
-    groups: list[Group]  # kept groups, in arrival order (payload: see `make_payload`)
+    groups: list[Group[ScoredGroup]]  # kept groups, in arrival order
     metrics: dict[str, float]
 
 
-def make_payload(item: PromptItem, group: RolloutGroup, scores: torch.Tensor, acc: torch.Tensor) -> dict:
-    """What a kept group carries to the batch: the prompt, its n responses and their rewards."""
-    return {"item": item, "group": group, "scores": scores, "acc": acc}
-
-
 def _tokens(groups: Sequence[Group | RolloutGroup]) -> int:
-    rollouts = [g.payload["group"] if isinstance(g, Group) else g for g in groups]
+    rollouts = [g.payload.rollout if isinstance(g, Group) else g for g in groups]
     return sum(len(r) for g in rollouts for r in g.responses)
 
 
@@ -55,7 +68,7 @@ def collect_sync(engines: list, dataset: PromptDataset, prompts: PromptSampler, 
     while not sampler.should_stop():
         items = [dataset[i] for i in prompts.next(gen_batch_size)]
         shards = _split(items, len(engines))
-        futures = [e.generate.remote([it.prompt_ids for it in shard], sampling) for e, shard in zip(engines, shards)]
+        futures = [e.generate.remote([it.prompt for it in shard], sampling) for e, shard in zip(engines, shards)]
         for shard, results in zip(shards, ray.get(futures)):
             if shard:
                 tokens.add(sampler, score(shard, results))
@@ -112,7 +125,7 @@ class _EarlyStop:
             rid = f"g{next(self.ids)}-p{item.index}"
             self.in_flight[rid] = (e, item)
             self.load[e] += 1
-            calls.append(self.engines[e].submit.remote(rid, item.prompt_ids, self.sampling, index=item.index))
+            calls.append(self.engines[e].submit.remote(rid, item.prompt, self.sampling, index=item.index))
         ray.get(calls)
 
     def poll(self, timeout: float) -> list[tuple[PromptItem, RolloutGroup]]:
@@ -166,26 +179,9 @@ def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSam
     return result
 
 
-def groups_to_batch(groups: Sequence[Group]) -> RolloutBatch:
+def groups_to_batch(groups: Sequence[Group[ScoredGroup]]) -> RolloutBatch:
     """Kept groups -> one RolloutBatch; `group` is the group's position in this step."""
-    prompts, responses, logprobs, reasons, group_ids, index, truths, sources, scores, acc = ([] for _ in range(10))
-    for gid, g in enumerate(groups):
-        item, rollout = g.payload["item"], g.payload["group"]
-        for j, response in enumerate(rollout.responses):
-            prompts.append(torch.tensor(item.prompt_ids, dtype=torch.long))
-            responses.append(torch.tensor(response, dtype=torch.long))
-            logprobs.append(torch.tensor(rollout.rollout_logprobs[j], dtype=torch.float32))
-            reasons.append(rollout.finish_reasons[j])
-            group_ids.append(gid)
-            index.append(item.index)
-            truths.append(item.ground_truth)
-            sources.append(item.data_source)
-        scores.append(g.payload["scores"])
-        acc.append(g.payload["acc"])
-    return RolloutBatch(prompts=prompts, responses=responses, group=torch.tensor(group_ids),
-                        prompt_index=torch.tensor(index), rollout_logprobs=pad_right(logprobs),
-                        finish_reasons=reasons, ground_truths=truths, data_sources=sources,
-                        scores=torch.cat(scores), acc=torch.cat(acc))
+    return RolloutBatch.from_samples([s for gid, g in enumerate(groups) for s in g.payload.samples(gid)])
 
 
 class RewardScorer:
@@ -203,9 +199,10 @@ class RewardScorer:
     def __call__(self, items: Sequence[PromptItem], groups: Sequence[RolloutGroup]) -> list[Group]:
         responses = [r for g in groups for r in g.responses]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        truths = [it.ground_truth for it, g in zip(items, groups) for _ in g.responses]
-        sources = [it.data_source for it, g in zip(items, groups) for _ in g.responses]
-        out = self.reward(texts, truths, [len(r) for r in responses], data_sources=sources)
+        per_response = [it for it, g in zip(items, groups) for _ in g.responses]
+        out = self.reward(texts, [it.ground_truth for it in per_response], [len(r) for r in responses],
+                          data_sources=[it.data_source for it in per_response],
+                          extra_infos=[it.extra_info for it in per_response])
         self._metrics.append(out.metrics)
         self._sums = [self._sums[0] + out.score.sum().item(), self._sums[1] + out.acc.sum().item(),
                       self._sums[2] + len(responses)]
@@ -214,7 +211,7 @@ class RewardScorer:
             sl = slice(start, start + len(group.responses))
             start = sl.stop
             values = out.acc[sl].float() if self.metric == "acc" else out.score[sl]
-            kept.append(Group(values.tolist(), make_payload(item, group, out.score[sl], out.acc[sl])))
+            kept.append(Group(values.tolist(), ScoredGroup(item, group, out.score[sl], out.acc[sl])))
         return kept
 
     def pop_metrics(self) -> dict[str, float]:

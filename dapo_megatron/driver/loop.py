@@ -12,12 +12,11 @@ from dataclasses import dataclass, field
 
 import ray
 
-from dapo_megatron.algo import DynamicSampler, broadcast_advantages, compute_grpo_advantages, masked_mean
-from dapo_megatron.algo import rollout_logprob_metrics
+from dapo_megatron.algo import DynamicSampler, compute_grpo_advantages, masked_mean, rollout_logprob_metrics
 from dapo_megatron.config import DapoConfig
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.driver import setup
-from dapo_megatron.driver.collect import RewardScorer, collect_early_stop, collect_sync, groups_to_batch
+from dapo_megatron.driver.collect import Collected, RewardScorer, collect_early_stop, collect_sync, groups_to_batch
 from dapo_megatron.driver.metrics import MetricsLogger
 from dapo_megatron.rollout.types import Sampling
 
@@ -45,7 +44,7 @@ class Run:
         self.timing[f"timing/{name}"] = time.perf_counter() - t0
 
 
-def generate(run: Run) -> tuple:
+def generate(run: Run) -> Collected:
     cfg, ctx = run.cfg, run.ctx
     sampling = Sampling.from_config(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed + run.step)
     sampling = Sampling(**{**vars(sampling), "stop_token_ids": ctx.stop_token_ids})
@@ -69,8 +68,9 @@ def train_step(run: Run) -> dict:
     if cfg.actor.use_kl_loss:
         with run.timed("ref"):
             batch.ref_logprobs = ctx.train.compute_ref_logprobs(ray.put(batch))
-    scores = compute_grpo_advantages(batch.scores, batch.group, norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
-    batch.advantages = broadcast_advantages(scores, mask)
+    # [B]: one advantage per response, every token's (the loss broadcasts it over T)
+    batch.advantages = compute_grpo_advantages(batch.scores, batch.group,
+                                               norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
     with run.timed("update"):
         metrics = ctx.train.update(ray.put(batch))
     with run.timed("sync"):
@@ -81,7 +81,7 @@ def train_step(run: Run) -> dict:
     metrics.update(rollout_logprob_metrics(batch.rollout_logprobs, batch.old_logprobs, mask))
     metrics.update({"reward/kept_mean": batch.scores.mean().item(), "acc/kept_mean": batch.acc.float().mean().item(),
                     "response_length/mean": batch.response_lengths.float().mean().item(),
-                    "advantages/abs_mean": masked_mean(batch.advantages.abs(), mask).item(),
+                    "advantages/abs_mean": masked_mean(batch.advantages.abs()[:, None].expand_as(mask), mask).item(),
                     "driver/batch_bytes": batch.nbytes})
     return metrics
 
@@ -97,7 +97,7 @@ def run(cfg: DapoConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *_: setattr(run_, "stop_requested", True))
     setup.resume(run_)
     if cfg.trainer.val_before_train and run_.step == 0:
-        run_.logger.log(0, setup.validate(run_))
+        run_.logger.log(0, setup.evaluate(run_))
     empty = 0
     while run_.step < ctx.total_steps and not run_.stop_requested:
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -119,7 +119,7 @@ def run(cfg: DapoConfig) -> int:
         metrics.update(run_.timing, **{"timing/step": time.perf_counter() - t0,
                                        "driver/cpu_s": time.process_time() - cpu0})
         if cfg.trainer.test_freq > 0 and run_.step % cfg.trainer.test_freq == 0:
-            metrics.update(setup.validate(run_))
+            metrics.update(setup.evaluate(run_))
         run_.logger.log(run_.step, metrics)
         if cfg.trainer.save_freq > 0 and run_.step % cfg.trainer.save_freq == 0:
             setup.save(run_)

@@ -17,6 +17,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dapo_megatron.config import DapoConfig, num_engines, role_devices
 from dapo_megatron.device import get_device
 from dapo_megatron.driver.workers import TrainGroup, TrainWorker
+from dapo_megatron.models import ModelSpec
 
 SHARE = 0.5  # fraction of a colocated device each role asks Ray for
 ENGINE_NAME = "dapo-engine"  # engines are named actors: `ray.get_actor("dapo-engine-0")` finds one
@@ -41,16 +42,12 @@ def init_ray(cfg: DapoConfig) -> None:
         ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
 
 
-def _options(kind: str, pg, bundle: int, share: float) -> dict:
+def _options(device, pg, bundle: int, share: float) -> dict:
     strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
-    if kind == "cpu":
-        return dict(num_cpus=share, scheduling_strategy=strategy)
-    if kind == "cuda":
-        return dict(num_cpus=0, num_gpus=share, scheduling_strategy=strategy)
-    return dict(num_cpus=0, resources={"NPU": share}, scheduling_strategy=strategy)
+    return dict(device.ray_options(share), scheduling_strategy=strategy)
 
 
-def place(cfg: DapoConfig, model_path: str, max_model_len: int) -> Placement:
+def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int) -> Placement:
     """Create the placement group, the training ranks and the engines (not yet set up)."""
     from dapo_megatron.rollout.actor import engine_actor
     device = get_device(cfg.trainer.device)
@@ -61,15 +58,13 @@ def place(cfg: DapoConfig, model_path: str, max_model_len: int) -> Placement:
     ray.get(pg.ready(), timeout=300)
     share = SHARE if colocated else 1.0
     world = devices["actor"]
-    workers = [ray.remote(TrainWorker).options(**_options(device.kind, pg, i, share)).remote(cfg, model_path, i, world)
+    workers = [ray.remote(TrainWorker).options(**_options(device, pg, i, share)).remote(cfg, model_path, spec, i, world)
                for i in range(world)]
     first = 0 if colocated else devices["actor"]
     tp = cfg.rollout.parallel.tp
     engines = []
     for j in range(num_engines(cfg)):
-        opts = _options(device.kind, pg, first + j * tp, share)
         engines.append(engine_actor(model_path, cfg.rollout, dtype=cfg.model.dtype, max_model_len=max_model_len,
-                                    device=device.kind, num_cpus=opts.get("num_cpus", 0),
-                                    num_gpus=opts.get("num_gpus", 0), scheduling_strategy=opts["scheduling_strategy"],
-                                    name=f"{ENGINE_NAME}-{j}"))
+                                    device=device.kind, name=f"{ENGINE_NAME}-{j}",
+                                    **_options(device, pg, first + j * tp, share)))
     return Placement(TrainGroup(workers), engines, pg)

@@ -1,6 +1,7 @@
 """What the loop needs around a step: start-up, weight sync, validation, save / resume, faults."""
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass
@@ -8,12 +9,13 @@ from typing import Callable
 
 import ray
 
-from dapo_megatron.config import DapoConfig, check_model
-from dapo_megatron.config.schema import SyncConfig
+from dapo_megatron.config import ConfigError, DapoConfig, check_model
+from dapo_megatron.config.schema import DataConfig, SyncConfig
 from dapo_megatron.data.dataset import PromptDataset
 from dapo_megatron.driver.collect import RewardScorer
 from dapo_megatron.driver.placement import Placement, init_ray, place
-from dapo_megatron.rollout.checksum import checksum_mismatches
+from dapo_megatron.models import ModelSpec
+from dapo_megatron.weights.checksum import checksum_mismatches
 from dapo_megatron.rollout.types import Sampling
 from dapo_megatron.weights.hf_io import CheckpointError
 
@@ -22,6 +24,7 @@ from dapo_megatron.weights.hf_io import CheckpointError
 class Context:
     cfg: DapoConfig
     model_path: str
+    spec: ModelSpec
     tokenizer: object
     train_data: PromptDataset
     val_data: PromptDataset | None
@@ -49,25 +52,38 @@ def as_role(role: str, fn: Callable, *args):
                            f"from the last checkpoint (trainer.resume_mode=auto)") from None
 
 
+def _resolved(data: DataConfig) -> DataConfig:
+    from dapo_megatron.assets import resolve_asset_path
+    return dataclasses.replace(data, train_files=[resolve_asset_path(f) for f in data.train_files],
+                               val_files=[resolve_asset_path(f) for f in data.val_files])
+
+
 def prepare(cfg: DapoConfig) -> Context:
-    """Resolve tiny:// assets, load tokenizer and data, start Ray, place and set up the roles."""
-    from transformers import AutoConfig, AutoTokenizer
+    """Resolve tiny:// assets, read the model spec (and check the config against it: the one
+    place that does), load tokenizer and data, start Ray, place and set up the roles."""
+    from transformers import AutoTokenizer
 
     from dapo_megatron.assets import resolve_asset_path
     from dapo_megatron.reward.manager import RewardManager
     model_path = resolve_asset_path(cfg.model.path)
-    check_model(cfg, AutoConfig.from_pretrained(model_path).to_dict())
+    try:
+        spec = ModelSpec.from_pretrained(model_path)
+        spec.arch  # noqa: B018  (an unsupported model_type fails here, naming the supported ones)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("model.path", f"model.path: cannot read the model's config.json: {exc}") from None
+    check_model(cfg, spec)
     tokenizer = AutoTokenizer.from_pretrained(resolve_asset_path(cfg.model.tokenizer_path or cfg.model.path))
-    train_data = PromptDataset.from_config(cfg.data, tokenizer, "train")
-    val_data = PromptDataset.from_config(cfg.data, tokenizer, "val") if cfg.data.val_files else None
+    data = _resolved(cfg.data)
+    train_data = PromptDataset.from_config(data, tokenizer, "train")
+    val_data = PromptDataset.from_config(data, tokenizer, "val") if data.val_files else None
     total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * max(
         1, len(train_data) // cfg.data.train_batch_size)
     init_ray(cfg)
-    placement = place(cfg, model_path, cfg.data.max_prompt_length + cfg.data.max_response_length)
+    placement = place(cfg, model_path, spec, cfg.data.max_prompt_length + cfg.data.max_response_length)
     as_role("actor", placement.train.setup, total)
     stops = tuple(t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
                   if isinstance(t, int) and t >= 0)
-    return Context(cfg, model_path, tokenizer, train_data, val_data, placement,
+    return Context(cfg, model_path, spec, tokenizer, train_data, val_data, placement,
                    RewardManager(cfg.reward, cfg.data.max_response_length), cfg.trainer.default_local_dir,
                    total, stops)
 
@@ -98,7 +114,7 @@ def sync_weights(train, engines: list, sync: SyncConfig, verify: bool) -> dict:
     return {"sync/bytes": nbytes}
 
 
-def validate(run) -> dict:
+def evaluate(run) -> dict:
     """Greedy (rollout.val_kwargs) answers on the validation set: val/acc overall and per source."""
     ctx, cfg = run.ctx, run.cfg
     if ctx.val_data is None:
@@ -109,12 +125,12 @@ def validate(run) -> dict:
     sampling = Sampling(**{**vars(sampling), "stop_token_ids": ctx.stop_token_ids})
     shards = [items[i::len(ctx.engines)] for i in range(len(ctx.engines))]
     results = as_role("rollout engine", lambda: ray.get(
-        [e.generate.remote([it.prompt_ids for it in s], sampling) for e, s in zip(ctx.engines, shards)]))
+        [e.generate.remote([it.prompt for it in s], sampling) for e, s in zip(ctx.engines, shards)]))
     scorer = RewardScorer(ctx.reward, ctx.tokenizer, "acc")
     per_source: dict[str, list[float]] = {}
     for shard, groups in zip(shards, results):
         for g in scorer(shard, groups):
-            per_source.setdefault(g.payload["item"].data_source, []).extend(g.payload["acc"].float().tolist())
+            per_source.setdefault(g.payload.item.data_source, []).extend(g.payload.acc.float().tolist())
     values = [v for vs in per_source.values() for v in vs]
     out = {"val/acc": sum(values) / max(len(values), 1), "timing/val": time.perf_counter() - t0}
     out.update({f"val/acc/{src}": sum(vs) / len(vs) for src, vs in per_source.items()})

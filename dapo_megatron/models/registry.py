@@ -1,8 +1,10 @@
 """HF architectures we can build, as data: one `Arch` row per HF `model_type`.
 
-A new architecture (Qwen3-VL: a language model plus a vision tower) adds a row with its own
-`config_fn` / `build_fn`; the GPT-style rows share `gpt.py`. The weight name tables live in
-`weights/name_map.py`, keyed by the same model_type.
+A row owns everything that differs between model families: the Megatron config and model
+(`config_fn`, `build_fn`), how a micro-batch becomes the model's inputs (`inputs_fn`: token ids
+and positions for a GPT; positions [3, B, S] and pixels for a vision-language model) and how the
+model is called with them (`forward_fn`). The weight name tables live in `weights/name_map.py`,
+keyed by the same model_type. A new family (Qwen3-VL) adds a row; the trainer does not change.
 """
 from __future__ import annotations
 
@@ -16,19 +18,20 @@ class Arch:
     qkv_bias: bool  # Qwen2 / Qwen2.5 have q/k/v biases
     qk_layernorm: bool  # Qwen3: RMSNorm on q and k per head
     moe: bool  # routed experts in every layer (no shared expert)
-    config_fn: Callable  # (hf_config, arch) -> dict of TransformerConfig kwargs
-    build_fn: Callable  # (hf_config, arch, tf_config, ...) -> list of model chunks
+    config_fn: Callable  # (spec, arch) -> dict of TransformerConfig kwargs
+    build_fn: Callable  # (spec, arch, tf_config, use_te=...) -> list of model chunks
+    inputs_fn: Callable  # (micro, device) -> dict of model inputs
+    forward_fn: Callable  # (model chunk, inputs) -> logits [b, S, V/TP] (last stage) or hidden states
 
 
 def _registry() -> dict[str, Arch]:
     from dapo_megatron.models import gpt
+    gpt_fns = dict(config_fn=gpt.gpt_config_kwargs, build_fn=gpt.build_gpt_chunks, inputs_fn=gpt.gpt_inputs,
+                   forward_fn=gpt.gpt_forward)
     rows = [
-        Arch("qwen2", qkv_bias=True, qk_layernorm=False, moe=False, config_fn=gpt.gpt_config_kwargs,
-             build_fn=gpt.build_gpt_chunks),
-        Arch("qwen3", qkv_bias=False, qk_layernorm=True, moe=False, config_fn=gpt.gpt_config_kwargs,
-             build_fn=gpt.build_gpt_chunks),
-        Arch("qwen3_moe", qkv_bias=False, qk_layernorm=True, moe=True, config_fn=gpt.gpt_config_kwargs,
-             build_fn=gpt.build_gpt_chunks),
+        Arch("qwen2", qkv_bias=True, qk_layernorm=False, moe=False, **gpt_fns),
+        Arch("qwen3", qkv_bias=False, qk_layernorm=True, moe=False, **gpt_fns),
+        Arch("qwen3_moe", qkv_bias=False, qk_layernorm=True, moe=True, **gpt_fns),
     ]
     return {a.model_type: a for a in rows}
 

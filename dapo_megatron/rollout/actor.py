@@ -18,19 +18,16 @@ MAX_CONCURRENCY = 64
 
 
 def engine_actor(model_path: str, cfg, *, dtype: str = "bf16", max_model_len: int = 4096,
-                 device: str = "auto", num_cpus: float = 1, num_gpus: float = 0,
-                 scheduling_strategy=None, name: Optional[str] = None):
+                 device: str = "auto", name: Optional[str] = None, **ray_options):
     """Start one engine actor; returns its handle (methods as on `Engine`, called with .remote()).
 
-    num_gpus: devices of this engine (rollout.parallel.tp on GPU; 0 on CPU). The device layer's
-    vLLM environment goes into the actor's runtime env, so it is set before vLLM is imported.
+    ray_options: the actor's resources and placement (`Device.ray_options`, a scheduling
+    strategy). The device layer's vLLM environment goes into the actor's runtime env, so it is
+    set before vLLM is imported.
     """
     import ray
     env = get_device(device).vllm_env(cfg.parallel.tp)
-    options = dict(num_cpus=num_cpus, num_gpus=num_gpus, max_concurrency=MAX_CONCURRENCY,
-                   runtime_env={"env_vars": env})
-    if scheduling_strategy is not None:
-        options["scheduling_strategy"] = scheduling_strategy
+    options = dict(ray_options, max_concurrency=MAX_CONCURRENCY, runtime_env={"env_vars": env})
     if name is not None:
         options["name"] = name
     return ray.remote(Engine).options(**options).remote(

@@ -21,8 +21,10 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from dapo_megatron.batch import Prompt
 from dapo_megatron.device import get_device
-from dapo_megatron.rollout.checksum import merge_checksums
+from dapo_megatron.weights.checksum import merge_checksums
+from dapo_megatron.weights.transport import TRANSPORTS
 from dapo_megatron.rollout.types import RolloutGroup, Sampling
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -39,18 +41,6 @@ class _Live:
     done: set = field(default_factory=set)
 
 
-def check_parallel(parallel) -> None:
-    """Per-engine parallel degrees vLLM supports here: TP, and EP across the same TP ranks."""
-    if parallel.tp < 1:
-        raise ValueError(f"rollout.parallel.tp ({parallel.tp}) must be >= 1")
-    if parallel.ep not in (1, parallel.tp):
-        raise ValueError(f"rollout.parallel.ep ({parallel.ep}) must be 1 or equal rollout.parallel.tp "
-                         f"({parallel.tp}): vLLM shards experts over the engine's TP ranks")
-    for key in ("pp", "cp", "etp"):
-        if getattr(parallel, key) != 1:
-            raise ValueError(f"rollout.parallel.{key} must be 1 for a vLLM rollout engine")
-
-
 class Engine:
     """One vLLM engine on `rollout.parallel.tp` devices, owned by a loop thread.
 
@@ -61,13 +51,14 @@ class Engine:
 
     def __init__(self, model_path: str, cfg, *, dtype: str = "bf16", max_model_len: int = 4096,
                  device: str = "auto", weight_transport: str = "auto"):
-        check_parallel(cfg.parallel)
+        p = cfg.parallel  # validated by config/validate.py (rollout.parallel.*)
+        assert p.tp >= 1 and p.ep in (1, p.tp) and p.pp == p.cp == p.etp == 1, f"engine layout {p}"
         if dtype not in _DTYPES:
             raise ValueError(f"model.dtype {dtype!r} must be one of {sorted(_DTYPES)}")
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"weight_transport {weight_transport!r} must be one of {WEIGHT_TRANSPORTS}")
         self._device = get_device(device)
-        self._sync_groups: dict[tuple, object] = {}  # (sender address, rank, size) -> broadcast group
+        self._transport = TRANSPORTS[cfg.sync.transport](self._device)  # weight sync, receiving side
         os.environ.update(self._device.vllm_env(cfg.parallel.tp))  # read by vLLM at import and engine start
         t0 = time.perf_counter()
         self._llm = self._make_llm(model_path, cfg, _DTYPES[dtype], max_model_len)
@@ -203,21 +194,22 @@ class Engine:
             stop_token_ids=list(sampling.stop_token_ids), logprobs=0, detokenize=False,
             output_kind=RequestOutputKind.DELTA)  # deltas: an aborted response keeps its tokens
 
-    def _add(self, request_id: str, prompt: list[int], sampling: Sampling, index: int, sink) -> None:
+    def _add(self, request_id: str, prompt: Prompt, sampling: Sampling, index: int, sink) -> None:
         """Fan a prompt out to n requests; child i samples with `child_seed` (distinct, reproducible)."""
         from vllm.inputs import TokensPrompt
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already in flight")
-        n = sampling.n
-        group = RolloutGroup(request_id, index, list(prompt), [[] for _ in range(n)],
-                             [[] for _ in range(n)], [""] * n)
+        if prompt.images:
+            raise ValueError(f"request {request_id!r} has images; this engine serves text-only models")
+        ids, n = list(prompt.ids), sampling.n
+        group = RolloutGroup(request_id, index, ids, [[] for _ in range(n)], [[] for _ in range(n)], [""] * n)
         live = _Live(group, sink, [f"{request_id}#{i}" for i in range(n)])
         self._live[request_id] = live
         for i, child in enumerate(live.children):
             self._child_to_group[child] = request_id
-            self._llm.add_request(child, TokensPrompt(prompt_token_ids=list(prompt)), self._params(sampling, prompt, i))
+            self._llm.add_request(child, TokensPrompt(prompt_token_ids=ids), self._params(sampling, ids, i))
 
-    def submit(self, request_id: str, prompt: list[int], sampling: Sampling, index: int = -1) -> None:
+    def submit(self, request_id: str, prompt: Prompt, sampling: Sampling, index: int = -1) -> None:
         """Start one prompt's group; it comes back from `poll` once all n responses finished."""
         self._call(lambda: self._add(request_id, prompt, sampling, index, self._results))
 
@@ -232,7 +224,7 @@ class Engine:
             pass
         return out
 
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[RolloutGroup]:
+    def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[RolloutGroup]:
         """Groups of n responses for each prompt, in prompt order (blocks until all finished)."""
         sink: queue.Queue = queue.Queue()
         base = f"gen{next(self._ids)}"
@@ -298,16 +290,11 @@ class Engine:
         return self._call(lambda: self._worker_call("weight_sync_load", payload))
 
     def receive_weights(self, address: tuple[str, int], rank: int, size: int) -> int:
-        """Join one trainer rank's broadcast group (`weights/collective.py`, rank `rank` of
-        `size`) and load every bucket it sends, inside an open weight update; returns the
-        tensors loaded. Blocks the calling thread until the sender closes: one call per sender,
-        each on its own thread (the Ray actor's `max_concurrency`). The group is joined at the first
-        sync and kept: building one is a rendezvous (and an NCCL / HCCL communicator set-up)."""
-        from dapo_megatron.weights import collective
-        key = (tuple(address), rank, size)
-        if key not in self._sync_groups:
-            self._sync_groups[key] = collective.connect(self._device, *address, rank, size)
-        return collective.receive(self._sync_groups[key], self._device, self.load_weights)
+        """Receive from one trainer rank through the weight-sync transport (`weights/transport.py`;
+        as member `rank` of `size`) and load every bucket it sends, inside an open weight update;
+        returns the tensors loaded. Blocks the calling thread until the sender closes: one call
+        per sender, each on its own thread (the Ray actor's `max_concurrency`)."""
+        return self._transport.receive(address, rank, size, self.load_weights)
 
     def finish_weight_update(self) -> int:
         """Post-process the model, reset the prefix cache, resume; returns the number of tensors."""

@@ -40,7 +40,7 @@ class RolloutGroup:
     """The n responses of one prompt (a `group`), returned once all n have finished."""
     request_id: str
     index: int  # position of the prompt in the `generate` call; the caller's value for `submit`
-    prompt: list[int]
+    prompt: list[int]  # the prompt's token ids as the engine ran them (what the actor trains on)
     responses: list[list[int]] = field(default_factory=list)  # [n][T_i] token ids
     rollout_logprobs: list[list[float]] = field(default_factory=list)  # [n][T_i] log p(token)
     finish_reasons: list[str] = field(default_factory=list)  # [n], one of FINISH_REASONS

@@ -27,7 +27,7 @@ from typing import Iterable, Iterator, NamedTuple, Union
 
 import torch
 
-from dapo_megatron.rollout.checksum import Checksum, shard_checksum
+from dapo_megatron.weights.checksum import Checksum, shard_checksum
 
 # vLLM fused module (last name component) -> the HF modules it stacks along dim 0.
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}

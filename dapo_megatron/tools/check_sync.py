@@ -49,7 +49,7 @@ def random_batch(n_prompts: int, n: int, vocab: int, seed: int = 0):
     batch = RolloutBatch(prompts=[torch.randint(0, vocab, (6,), generator=g) for _ in range(size)],
                          responses=[torch.randint(0, vocab, (int(k),), generator=g) for k in lengths],
                          group=torch.arange(size) // n, prompt_index=torch.arange(size) // n)
-    batch.advantages = torch.where(torch.rand(size, generator=g) < 0.5, -1.0, 1.0)[:, None] * batch.loss_mask
+    batch.advantages = torch.where(torch.rand(size, generator=g) < 0.5, -1.0, 1.0)  # [B]
     return batch
 
 
@@ -73,13 +73,14 @@ def sync_config(hf_dir: str, layout: dict, *, rollout_tp: int = 1, rollout_ep: i
 def start(cfg):
     """Ray, the training ranks (set up, weights loaded) and one engine, as the driver places them."""
     import ray
-    from transformers import AutoConfig
 
     from dapo_megatron.config import check_model
     from dapo_megatron.driver.placement import init_ray, place
-    check_model(cfg, AutoConfig.from_pretrained(cfg.model.path).to_dict())
+    from dapo_megatron.models import ModelSpec
+    spec = ModelSpec.from_pretrained(cfg.model.path)
+    check_model(cfg, spec)
     init_ray(cfg)
-    placement = place(cfg, cfg.model.path, max_model_len=128)
+    placement = place(cfg, cfg.model.path, spec, max_model_len=128)
     try:
         placement.train.setup(1)
         ray.get([e.num_in_flight.remote() for e in placement.engines])  # engines constructed and serving
@@ -105,6 +106,7 @@ def check_sync(hf_dir: str, args) -> dict:
     import ray
     from transformers import AutoModelForCausalLM
 
+    from dapo_megatron.batch import Prompt
     from dapo_megatron.convert import _copy_aux
     from dapo_megatron.driver import setup
     from dapo_megatron.rollout.types import Sampling
@@ -133,7 +135,8 @@ def check_sync(hf_dir: str, args) -> dict:
                                        for k in after.keys())
             model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
             g = torch.Generator().manual_seed(1)
-            prompts = [torch.randint(0, vocab, (5 + i,), generator=g).tolist() for i in range(args.prompts)]
+            prompts = [Prompt(tuple(torch.randint(0, vocab, (5 + i,), generator=g).tolist()))
+                       for i in range(args.prompts)]
             groups = ray.get(engines[0].generate.remote(prompts, Sampling(n=2, temperature=1.0, max_tokens=16, seed=0)))
             out["max_abs_logprob_diff"] = max_logprob_diff(groups, model)
     finally:

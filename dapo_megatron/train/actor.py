@@ -1,13 +1,14 @@
 """The actor: a Megatron-Core policy with its optimizer; log-probs and the DAPO update.
 
-    info = init_parallel(cfg.actor.parallel, seed=cfg.trainer.seed)   # once per process
+    init_parallel(cfg.actor.parallel, seed=cfg.trainer.seed)   # once per process
     actor = Actor(cfg.actor, cfg.model.path, n=cfg.rollout.n, total_steps=..., dtype="bf16")
-    out = actor.compute_logprobs(batch)          # {"logprobs": [B, T], "entropy": [B, T]}
-    batch.old_logprobs = out["logprobs"]
+    rows = actor.compute_logprobs(batch)         # this rank's Rows of [B, T] log-probs, or None
+    batch.old_logprobs = assemble(rows of every rank)["logprobs"]
     metrics = actor.update(batch)                # needs old_logprobs, advantages (+ ref_logprobs)
 
 Every rank is called with the same full batch; each DP rank trains on its share (see
-`microbatch.split_for_dp`) and every rank returns the same full results / metrics.
+`microbatch.split_for_dp`). Log-probs come back as each DP rank's rows (`logprobs.Rows`);
+metrics are reduced, and every rank returns the same.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch.distributed as dist
 from dapo_megatron.algo import agg_loss, compute_policy_loss, kl_penalty, loss_normalizer_counts
 from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.config.schema import ActorConfig
+from dapo_megatron.models import ModelSpec
 from dapo_megatron.models.gpt import _DTYPES
 from dapo_megatron.train import logprobs as lp
 from dapo_megatron.train import microbatch as mb
@@ -43,17 +45,16 @@ def recompute_overrides(granularity: str) -> dict:
     raise ValueError(f"unknown actor.recompute_granularity {granularity!r}; use '', full or selective")
 
 
-def build_chunks(hf_dir: str, parallel, *, dtype: str, load: bool = True, **overrides) -> list:
-    """This rank's GPTModel chunks for `hf_dir`, HF weights loaded (before any DDP wrapping,
-    whose renamed parameters the name maps do not know)."""
-    from megatron.core import parallel_state as mpu
-    from dapo_megatron.models import build_model, load_hf_config
+def build_chunks(spec: ModelSpec, hf_dir: str, parallel, *, dtype: str, load: bool = True, **overrides) -> list:
+    """This rank's GPTModel chunks for `spec`, the HF weights of `hf_dir` loaded (before any DDP
+    wrapping, whose renamed parameters the name maps do not know)."""
+    from dapo_megatron.models import build_model
+    from dapo_megatron.train.parallel import coords
     from dapo_megatron.weights import load_hf_checkpoint
-    chunks = build_model(load_hf_config(hf_dir), dtype=dtype, sequence_parallel=parallel.sequence_parallel,
-                         **overrides)
+    chunks = build_model(spec, dtype=dtype, sequence_parallel=parallel.sequence_parallel, **overrides)
     if load:
         load_hf_checkpoint(chunks, hf_dir)
-    if mpu.get_pipeline_model_parallel_world_size() > 1:
+    if coords().pp > 1:
         # Micro-batches have different shapes: let p2p send shapes first. TransformerConfig
         # refuses this with the allgather MoE dispatcher because EP ranks could then gather
         # uneven token counts; `logprobs.plan_for_rank` gives all EP ranks the same shapes.
@@ -62,27 +63,15 @@ def build_chunks(hf_dir: str, parallel, *, dtype: str, load: bool = True, **over
     return chunks
 
 
-def check_trainable_layout(parallel, hf) -> None:
-    """Layouts whose gradients Megatron-Core 0.16 gets wrong, refused with the key to change.
-
-    With EP == 1, expert weights are flagged as dense (`allreduce=True`) and reduced over the
-    dense DP group only; with TP > 1 and ETP == 1 each TP rank then keeps the partial expert
-    gradient of its own sequence shard (seen: TP2 grads = half the TP1 grads per rank).
-    """
-    if getattr(hf, "num_experts", None) and parallel.tp > 1 and parallel.ep == 1 and parallel.etp != parallel.tp:
-        raise ValueError(f"MoE training with actor.parallel.tp={parallel.tp} and ep=1 needs "
-                         f"actor.parallel.etp={parallel.tp} (got {parallel.etp}); set etp={parallel.tp} or raise ep")
-
-
 class Actor:
-    def __init__(self, cfg: ActorConfig, hf_dir: str, *, n: int = 1, total_steps: int = 1,
-                 dtype: str = "fp32", temperature: float = 1.0, load_weights: bool = True):
+    def __init__(self, cfg: ActorConfig, hf_dir: str, *, spec: ModelSpec | None = None, n: int = 1,
+                 total_steps: int = 1, dtype: str = "fp32", temperature: float = 1.0, load_weights: bool = True):
         self.cfg, self.n, self.temperature = cfg, n, temperature
-        from dapo_megatron.models import load_hf_config
-        check_trainable_layout(cfg.parallel, load_hf_config(hf_dir))
-        chunks = build_chunks(hf_dir, cfg.parallel, dtype=dtype, load=load_weights,
+        self.spec = spec = spec or ModelSpec.from_pretrained(hf_dir)
+        p = cfg.parallel  # config/validate.check_parallel_fits_model explains this rule to users
+        assert not (spec.is_moe and p.tp > 1 and p.ep == 1 and p.etp != p.tp), "MoE with tp > 1, ep 1 needs etp == tp"
+        chunks = build_chunks(spec, hf_dir, cfg.parallel, dtype=dtype, load=load_weights,
                               **recompute_overrides(cfg.recompute_granularity))
-        self.vocab_size = chunks[0].hf_config.vocab_size
         self.model = wrap_ddp(chunks, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.model, cfg.optim, _DTYPES[dtype])
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
@@ -92,10 +81,11 @@ class Actor:
         """The bare GPTModel chunks (for weight export; same parameters as the DDP-wrapped model)."""
         return [m.module for m in self.model]
 
-    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = True) -> dict:
-        """{"logprobs": [B, T], "entropy": [B, T]} of the response tokens on every rank."""
-        return lp.compute_logprobs(self.model, batch, max_tokens=self.cfg.max_tokens_per_microbatch,
-                                   vocab_size=self.vocab_size, temperature=self.temperature,
+    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False) -> lp.Rows | None:
+        """This rank's rows of the response tokens' log-probs (and entropy) [n, T], or None on a
+        rank that reports none (see `logprobs.compute_logprobs`)."""
+        return lp.compute_logprobs(self.model, self.spec.arch, batch, max_tokens=self.cfg.max_tokens_per_microbatch,
+                                   vocab_size=self.spec.vocab_size, temperature=self.temperature,
                                    with_entropy=with_entropy)
 
     def update(self, batch: RolloutBatch) -> dict:
@@ -126,8 +116,8 @@ class Actor:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        results = lp.forward_backward(self.model, micros, lambda m, out: self._loss(counts, m, out),
-                                      forward_only=False)
+        results = lp.forward_backward(self.model, self.spec.arch, micros,
+                                      lambda m, out: self._loss(counts, m, out), forward_only=False)
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
@@ -142,17 +132,16 @@ class Actor:
     def _loss(self, counts: tuple[int, int], micro: mb.MicroBatch, output: torch.Tensor):
         """Loss of one micro-batch as its share of the mini-batch loss; returns Megatron's
         (loss, token count, metrics) triple."""
-        cfg, f = self.cfg, micro.fields
-        dev = output.device
+        cfg, dev = self.cfg, output.device
         mask = micro.loss_mask.to(dev)  # [b, T]
-        tok_lp, tok_ent = lp.token_logprobs(output, micro.labels.to(dev), self.vocab_size,
+        tok_lp, tok_ent = lp.token_logprobs(output, micro.labels.to(dev), self.spec.vocab_size,
                                             temperature=self.temperature, with_entropy=True,
                                             entropy_grad=cfg.entropy_coeff != 0)
         logprobs, entropy = lp.response_aligned(tok_lp, micro), lp.response_aligned(tok_ent, micro)  # [b, T]
         glob = dict(global_token_count=counts[0], global_seq_count=counts[1])
-        rollout = f.get("rollout_logprobs")
+        rollout = micro.rollout_logprobs
         pg_loss, m = compute_policy_loss(
-            f["old_logprobs"].to(dev), logprobs, f["advantages"].to(dev), mask,
+            micro.old_logprobs.to(dev), logprobs, micro.advantages.to(dev), mask,  # advantages [b]
             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode, rollout_logprobs=None if rollout is None else rollout.to(dev),
             tis_cap=cfg.tis_cap, **glob)
@@ -162,7 +151,7 @@ class Actor:
         data = {k: float(m[k]) * float(ntok) for k in _TOKEN_WEIGHTED if k in m}  # m is detached
         data.update(pg_loss=float(pg_loss.detach()), entropy=float(ent_loss.detach()), tokens=float(ntok))
         if cfg.use_kl_loss:
-            kl = kl_penalty(logprobs, f["ref_logprobs"].to(dev), cfg.kl_loss_type)  # [b, T]
+            kl = kl_penalty(logprobs, micro.ref_logprobs.to(dev), cfg.kl_loss_type)  # [b, T]
             kl_loss = agg_loss(kl, mask, cfg.loss_agg_mode, **glob)
             loss = loss + cfg.kl_loss_coef * kl_loss
             data["kl_loss"] = float(kl_loss.detach())
@@ -170,12 +159,12 @@ class Actor:
 
     def _reduce_metrics(self, results: list) -> dict:
         """Sum micro-batch metrics over this rank and DP; the last pipeline stage broadcasts."""
-        from megatron.core import parallel_state as mpu
+        from dapo_megatron.train.parallel import coords, group
         vec = torch.tensor([sum(r.get(k, 0.0) for r in results) for k in _KEYS], dtype=torch.float64)
         dev = next(self.model[0].parameters()).device
         vec = vec.to(dev)
-        dist.all_reduce(vec, group=mpu.get_data_parallel_group())
-        if mpu.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(vec, src=mpu.get_pipeline_model_parallel_last_rank(),
-                           group=mpu.get_pipeline_model_parallel_group())
+        dist.all_reduce(vec, group=group("dp"))
+        c = coords()
+        if c.pp > 1:
+            dist.broadcast(vec, src=c.pp_last_rank, group=group("pp"))
         return dict(zip(_KEYS, vec.cpu().tolist()))

@@ -6,13 +6,16 @@ no rank ever holds the full vocabulary. Rows of the vocabulary added by padding
 (`padded_vocab_size`) are masked out: Megatron-LM keeps them in the softmax, HF has no such rows.
 
 `forward_backward` runs Megatron's own schedule (`get_forward_backward_func`: no pipelining,
-1F1B, or interleaved VPP) over a list of MicroBatch; `compute_logprobs` uses it forward-only and
-returns the full [B, T] result on every rank.
+1F1B, or interleaved VPP) over a list of MicroBatch, feeding and calling the model as its
+`Arch` row says; `compute_logprobs` uses it forward-only. Each DP rank's last pipeline stage
+(TP / CP rank 0) returns the `Rows` it computed and nobody else returns anything: the caller
+joins them with `assemble`, so no rank gathers a [B, T] result it does not need.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,9 +26,9 @@ from dapo_megatron.train import microbatch as mb
 
 def _vocab_mask(logits: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
     """[V/TP] bool, True on this rank's padding rows of the vocabulary; None when there are none."""
-    from megatron.core import parallel_state as mpu
+    from dapo_megatron.train.parallel import coords
     part = logits.shape[-1]
-    start = part * mpu.get_tensor_model_parallel_rank()
+    start = part * coords().tp_rank
     if start + part <= vocab_size:
         return None
     return torch.arange(start, start + part, device=logits.device) >= vocab_size
@@ -38,11 +41,12 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     `reduce_from_tensor_model_parallel_region`, whose backward is the identity, so the gradient
     of each rank's slice is exact. Logits of masked rows must be very negative but finite.
     """
-    from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region as tp_sum
+
+    from dapo_megatron.train.parallel import group
     logits = logits.float()
     shift = logits.detach().max(dim=-1, keepdim=True)[0]  # [..., 1]
-    dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
+    dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group("tp"))
     exp = torch.exp(logits - shift)  # [..., V/TP]
     sum_exp = tp_sum(exp.sum(dim=-1))  # [...]
     sum_exp_l = tp_sum((exp * (logits - shift)).sum(dim=-1))  # [...]
@@ -81,20 +85,20 @@ def response_aligned(per_pos: torch.Tensor, micro: mb.MicroBatch) -> torch.Tenso
     return torch.gather(per_pos, 1, cols.to(per_pos.device)) * micro.loss_mask.to(per_pos.device)
 
 
-def forward_backward(chunks: list, micros: list[mb.MicroBatch], loss_fn: Callable, *,
+def forward_backward(chunks: list, arch, micros: list[mb.MicroBatch], loss_fn: Callable, *,
                      forward_only: bool) -> list:
     """Run Megatron's schedule over `micros`; `loss_fn(micro, output) -> (loss, n_tokens, data)`.
 
+    `arch` (the model's `Arch` row) turns a micro-batch into model inputs and calls the model.
     Returns the `data` of every micro-batch, in order, on the last pipeline stage ([] elsewhere).
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     def forward_step(data_iterator, model):
         micro = next(data_iterator)
-        dev = next(model.parameters()).device
+        inputs = arch.inputs_fn(micro, next(model.parameters()).device)
         # [b, S, V/TP] on the last stage, hidden states elsewhere
-        output = model(micro.tokens.to(dev), micro.position_ids.to(dev), None)
-        return output, partial(loss_fn, micro)
+        return arch.forward_fn(model, inputs), partial(loss_fn, micro)
 
     seq_len = max(m.tokens.shape[1] for m in micros)
     iterators = [iter(micros) for _ in chunks]  # one per virtual stage, same micro-batches
@@ -106,42 +110,47 @@ def forward_backward(chunks: list, micros: list[mb.MicroBatch], loss_fn: Callabl
 
 def plan_for_rank(batch: RolloutBatch, max_tokens: int) -> tuple[list[list[int]], mb.Plan]:
     """(every DP rank's share, this rank's harmonised micro-batch plan)."""
-    from megatron.core import parallel_state as mpu
-    dp, tp = mpu.get_data_parallel_world_size(), mpu.get_tensor_model_parallel_world_size()
-    pp = mpu.get_pipeline_model_parallel_world_size()
-    vpp = mpu.get_virtual_pipeline_model_parallel_world_size() or 1
-    shares = mb.split_for_dp(mb.sequence_lengths(batch), dp)
-    plan = mb.plan_microbatches(batch, shares[mpu.get_data_parallel_rank()], max_tokens, tp)
+    from dapo_megatron.train.parallel import coords, group
+    c = coords()
+    shares = mb.split_for_dp(mb.sequence_lengths(batch), c.dp)
+    plan = mb.plan_microbatches(batch, shares[c.dp_rank], max_tokens, c.tp)
     # EP dispatch is a collective across DP shares: same count and shapes on all DP ranks.
-    group = mpu.get_data_parallel_group() if mpu.get_expert_model_parallel_world_size() > 1 else None
+    dp_group = group("dp") if c.ep > 1 else None
     # The interleaved schedule needs M >= PP and M % PP in {0, >= PP}: pad to a multiple of PP.
-    return shares, mb.harmonize(plan, group, min_count=pp if vpp > 1 else 0,
-                                count_multiple=pp if vpp > 1 else 1, seq_multiple=tp)
+    interleaved = c.vpp > 1
+    return shares, mb.harmonize(plan, dp_group, min_count=c.pp if interleaved else 0,
+                                count_multiple=c.pp if interleaved else 1, seq_multiple=c.tp)
 
 
-def gather_rows(local: dict, shape: tuple[int, int], names: list[str], device=None) -> dict:
-    """Rows filled by each DP rank on the last stage -> full [B, T] tensors on every rank.
-
-    `local[name]` is a [B, T] tensor holding this DP rank's rows (zeros elsewhere; zeros on
-    non-last pipeline stages): a SUM over DP fills every row once, then the last pipeline stage
-    broadcasts to the others.
-    """
-    from megatron.core import parallel_state as mpu
-    out = {}
-    for name in names:
-        t = local[name].to(device) if name in local else torch.zeros(shape, device=device)
-        dist.all_reduce(t, group=mpu.get_data_parallel_group())
-        if mpu.get_pipeline_model_parallel_world_size() > 1:
-            dist.broadcast(t, src=mpu.get_pipeline_model_parallel_last_rank(),
-                           group=mpu.get_pipeline_model_parallel_group())
-        out[name] = t.cpu()
-    return out
+@dataclass
+class Rows:
+    """Rows of per-token results one rank computed: which samples, and their values."""
+    index: list[int]  # sample indices into the batch
+    values: dict[str, torch.Tensor]  # name -> [len(index), T]
+    size: int  # B, the batch's sample count
 
 
-def compute_logprobs(chunks: list, batch: RolloutBatch, *, max_tokens: int, vocab_size: int,
-                     temperature: float = 1.0, with_entropy: bool = False) -> dict:
-    """{"logprobs": [B, T], "entropy": [B, T] (with_entropy)} of the response tokens, on every
-    rank, in the input order; 0 on padding positions. Collective over the whole world."""
+def assemble(parts: Iterable[Optional[Rows]]) -> dict[str, torch.Tensor]:
+    """Every reporting rank's Rows -> full [B, T] tensors; every sample must come exactly once."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        raise ValueError("no rank reported any rows")
+    size = parts[0].size
+    index = [i for p in parts for i in p.index]
+    if sorted(index) != list(range(size)):
+        raise RuntimeError(f"ranks reported {len(index)} rows for a batch of {size}, not each sample once")
+    order = torch.tensor(index)
+    return {name: torch.empty(size, *parts[0].values[name].shape[1:])
+            .index_copy_(0, order, torch.cat([p.values[name] for p in parts]))
+            for name in parts[0].values}
+
+
+def compute_logprobs(chunks: list, arch, batch: RolloutBatch, *, max_tokens: int, vocab_size: int,
+                     temperature: float = 1.0, with_entropy: bool = False) -> Optional[Rows]:
+    """Log-probs (and entropy, `with_entropy`) [n, T] of the response tokens of this DP rank's
+    share, 0 on padding positions, as Rows on the rank that reports them (last pipeline stage,
+    TP / CP rank 0); None elsewhere. A collective over the whole world."""
+    from dapo_megatron.train.parallel import coords
     _, plan = plan_for_rank(batch, max_tokens)
     micros = mb.materialize(batch, plan)
 
@@ -156,14 +165,14 @@ def compute_logprobs(chunks: list, batch: RolloutBatch, *, max_tokens: int, voca
     for chunk in chunks:
         chunk.eval()
     with torch.no_grad():
-        results = forward_backward(chunks, micros, loss_fn, forward_only=True)
-    shape = tuple(batch.loss_mask.shape)
-    names = ["logprobs"] + (["entropy"] if with_entropy else [])
-    local = {}
-    if results:
-        local = {name: torch.zeros(shape) for name in names}
-        for micro, data in zip(micros, results):
-            rows = [r for r, i in enumerate(micro.index) if i >= 0]
-            for name in names:
-                local[name][[micro.index[r] for r in rows]] = data[name][rows].float().cpu()
-    return gather_rows(local, shape, names, device=next(chunks[0].parameters()).device)
+        results = forward_backward(chunks, arch, micros, loss_fn, forward_only=True)
+    c = coords()
+    if not results or c.tp_rank or c.cp_rank:
+        return None
+    index, values = [], {name: [] for name in results[0]}
+    for micro, data in zip(micros, results):
+        rows = [r for r, i in enumerate(micro.index) if i >= 0]
+        index += [micro.index[r] for r in rows]
+        for name, t in data.items():
+            values[name].append(t[rows].float().cpu())
+    return Rows(index, {name: torch.cat(v) for name, v in values.items()}, len(batch))

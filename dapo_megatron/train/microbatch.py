@@ -5,8 +5,12 @@ looks at the padding to its right). Micro-batch tensors are laid out for the tra
 
     tokens        [b, S]  prompt + response ids, S a multiple of `seq_multiple` (TP, for SP)
     labels        [b, S]  tokens shifted left (labels[:, t] = tokens[:, t + 1])
-    per-token     [b, T]  response-aligned, T = the batch's response width (same in every
+    then every field the batch holds, by its scope in `batch.FIELDS`:
+    sample        [b]     (padding rows hold the field's pad value)
+    token         [b, T]  response-aligned, T = the batch's response width (same in every
                           micro-batch, so seq-mean-token-sum-norm divides by one constant)
+    position      [b, S, ...] aligned with `tokens`
+How a micro-batch becomes model inputs is the model's business (`models.Arch.inputs_fn`).
 
 Every function here is a pure function of the batch, so every rank of a pipeline / TP group
 computes the same plan without communication; only `harmonize` talks to other ranks.
@@ -18,9 +22,7 @@ from typing import Optional
 
 import torch
 
-from dapo_megatron.batch import RolloutBatch
-
-_PER_TOKEN = ("old_logprobs", "ref_logprobs", "advantages", "rollout_logprobs")
+from dapo_megatron.batch import FIELDS, POSITION, SAMPLE, TOKEN, RolloutBatch
 
 
 def sequence_lengths(batch: RolloutBatch) -> list[int]:
@@ -64,12 +66,14 @@ class MicroBatch:
     tokens: torch.Tensor  # [b, S] long
     labels: torch.Tensor  # [b, S] long
     prompt_lens: torch.Tensor  # [b] long
-    loss_mask: torch.Tensor  # [b, T] float (0 on padding rows / positions)
-    fields: dict = field(default_factory=dict)  # name -> [b, T] (old_logprobs, advantages, ...)
+    fields: dict = field(default_factory=dict)  # batch field name -> [b], [b, T] or [b, S, ...]
 
-    @property
-    def position_ids(self) -> torch.Tensor:  # [b, S]
-        return torch.arange(self.tokens.shape[1]).expand_as(self.tokens)
+    def __getattr__(self, name: str):
+        """A batch field by name (`micro.old_logprobs`); None when the batch did not hold it."""
+        fields = self.__dict__.get("fields", {})
+        if name in fields or name in FIELDS:
+            return fields.get(name)
+        raise AttributeError(f"MicroBatch has no field {name!r}")
 
     @property
     def num_tokens(self) -> int:
@@ -79,24 +83,34 @@ class MicroBatch:
 
 def build_microbatch(batch: RolloutBatch, index: list[int], rows: int, seq_len: int,
                      width: int) -> MicroBatch:
-    """Pack samples `index` into [rows, seq_len] (extra rows are padding), per-token fields
-    [rows, width]."""
+    """Pack samples `index` into [rows, seq_len] (extra rows are padding); every tensor field of
+    the batch goes along, laid out by its scope."""
     tokens = torch.zeros(rows, seq_len, dtype=torch.long)  # [b, S]
     prompt_lens = torch.zeros(rows, dtype=torch.long)  # [b]
-    loss_mask = torch.zeros(rows, width)  # [b, T]
-    fields = {name: torch.zeros(rows, width) for name in _PER_TOKEN if getattr(batch, name) is not None}
     for row, i in enumerate(index):
         p, r = batch.prompts[i], batch.responses[i]
         tokens[row, : len(p)] = p
         tokens[row, len(p): len(p) + len(r)] = r
         prompt_lens[row] = len(p)
-        loss_mask[row, : len(r)] = 1.0
-        for name, out in fields.items():
-            src = getattr(batch, name)[i]
-            n = min(len(src), width)
-            out[row, :n] = src[:n].float()
     labels = torch.roll(tokens, -1, dims=1)  # [b, S]; the wrapped last column is never used
-    return MicroBatch(index + [-1] * (rows - len(index)), tokens, labels, prompt_lens, loss_mask, fields)
+    fields = {}
+    for f in batch.present((SAMPLE, TOKEN, POSITION)):
+        if f.dtype is None:
+            continue  # Python values (finish reasons): nothing for the model
+        src = batch.columns[f.name]
+        if f.scope == SAMPLE:
+            out = torch.full((rows,), f.pad, dtype=f.dtype)  # [b]
+            out[: len(index)] = src[index]
+        elif f.scope == TOKEN:
+            out = torch.full((rows, width), f.pad, dtype=f.dtype)  # [b, T]
+            n = min(src.shape[1], width)
+            out[: len(index), :n] = src[index, :n]
+        else:
+            out = torch.full((rows, seq_len, *src[0].shape[1:]), f.pad, dtype=f.dtype)  # [b, S, ...]
+            for row, i in enumerate(index):
+                out[row, : len(src[i])] = src[i]
+        fields[f.name] = out
+    return MicroBatch(index + [-1] * (rows - len(index)), tokens, labels, prompt_lens, fields)
 
 
 @dataclass(frozen=True)
@@ -141,5 +155,5 @@ def harmonize(plan: Plan, group, *, min_count: int = 0, count_multiple: int = 1,
 
 
 def materialize(batch: RolloutBatch, plan: Plan, width: Optional[int] = None) -> list[MicroBatch]:
-    width = width or batch.loss_mask.shape[1]
+    width = width or batch.loss_mask.shape[1]  # T: the whole batch's, so every micro-batch agrees
     return [build_microbatch(batch, b, rows, seq, width) for b, (rows, seq) in zip(plan.bins, plan.shapes)]

@@ -1,7 +1,9 @@
-"""The one place that starts torch.distributed and Megatron-Core's model-parallel state.
+"""The one place that starts torch.distributed and reads Megatron-Core's model-parallel state.
 
 Megatron owns TP / PP / VPP / EP / ETP / CP (one `initialize_model_parallel` call); DP is what is
-left of the world. Degrees are validated here, with errors naming the config key to change.
+left of the world. The degrees were validated at the entry point (`config/validate.py`, or the
+convert CLI), so this module only asserts them. Code outside `train/` (model builder, weight
+maps, export, sync) reads the layout through `coords()` and `group()`, never parallel_state.
 """
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 from dapo_megatron.config.schema import ParallelConfig
@@ -20,34 +21,66 @@ from dapo_megatron.device import Device, get_device
 
 
 @dataclass(frozen=True)
-class ParallelInfo:
-    """This rank's coordinates (a snapshot taken right after initialisation)."""
+class Coords:
+    """This rank's place in the parallel layout: the size and this rank's index of each dimension."""
     rank: int
     world_size: int
+    tp: int
     tp_rank: int
+    pp: int
     pp_rank: int
+    vpp: int  # virtual stages per pipeline rank (1: no interleaving)
+    ep: int
     ep_rank: int
+    etp: int
     etp_rank: int
-    dp_rank: int
+    edp_rank: int  # replica index among ranks holding the same experts
     dp: int
+    dp_rank: int
+    cp: int
+    cp_rank: int
+    pp_last_rank: int  # global rank of the last stage of this rank's pipeline
+
+    def is_first_stage(self, vp_stage: int | None = None) -> bool:
+        return self.pp_rank == 0 and (vp_stage or 0) == 0
+
+    def is_last_stage(self, vp_stage: int | None = None) -> bool:
+        return self.pp_rank == self.pp - 1 and (vp_stage is None or vp_stage == self.vpp - 1)
 
 
-def validate_parallel(cfg: ParallelConfig, world_size: int, key: str = "actor.parallel") -> int:
-    """Check that the degrees fit `world_size`; returns the data-parallel degree."""
-    for name in ("tp", "pp", "vpp", "ep", "etp", "cp"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"{key}.{name} must be >= 1, got {getattr(cfg, name)}")
-    model = cfg.tp * cfg.pp * cfg.cp
-    if world_size % model:
-        raise ValueError(f"{key}.tp ({cfg.tp}) * {key}.pp ({cfg.pp}) * {key}.cp ({cfg.cp}) = {model} "
-                         f"must divide the world size {world_size}; change {key}.tp/pp/cp")
-    expert = cfg.etp * cfg.ep * cfg.pp
-    if world_size % expert:
-        raise ValueError(f"{key}.etp ({cfg.etp}) * {key}.ep ({cfg.ep}) * {key}.pp ({cfg.pp}) = {expert} "
-                         f"must divide the world size {world_size}; change {key}.ep/etp")
-    if cfg.vpp > 1 and cfg.pp == 1:
-        raise ValueError(f"{key}.vpp ({cfg.vpp}) needs {key}.pp > 1; set {key}.vpp=1 or raise {key}.pp")
-    return world_size // model
+def coords() -> Coords:
+    """The current layout, from Megatron's parallel state (after `init_parallel`)."""
+    from megatron.core import parallel_state as mpu
+    return Coords(
+        rank=dist.get_rank(), world_size=dist.get_world_size(),
+        tp=mpu.get_tensor_model_parallel_world_size(), tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp=mpu.get_pipeline_model_parallel_world_size(), pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        vpp=mpu.get_virtual_pipeline_model_parallel_world_size() or 1,
+        ep=mpu.get_expert_model_parallel_world_size(), ep_rank=mpu.get_expert_model_parallel_rank(),
+        etp=mpu.get_expert_tensor_parallel_world_size(), etp_rank=mpu.get_expert_tensor_parallel_rank(),
+        edp_rank=mpu.get_expert_data_parallel_rank(),
+        dp=mpu.get_data_parallel_world_size(), dp_rank=mpu.get_data_parallel_rank(),
+        cp=mpu.get_context_parallel_world_size(), cp_rank=mpu.get_context_parallel_rank(),
+        pp_last_rank=mpu.get_pipeline_model_parallel_last_rank())
+
+
+_GROUPS = {  # name -> Megatron's getter of this rank's process group
+    "tp": "get_tensor_model_parallel_group", "pp": "get_pipeline_model_parallel_group",
+    "dp": "get_data_parallel_group", "ep": "get_expert_model_parallel_group",
+    "etp": "get_expert_tensor_parallel_group",
+}
+
+
+def group(name: str):
+    """This rank's process group of one dimension: tp, pp, dp, ep or etp."""
+    from megatron.core import parallel_state as mpu
+    return getattr(mpu, _GROUPS[name])()
+
+
+def _assert_fits(cfg: ParallelConfig, world: int) -> None:
+    # The entry points validated the layout with messages naming the key; this only guards.
+    assert world % (cfg.tp * cfg.pp * cfg.cp) == 0 and world % (cfg.etp * cfg.ep * cfg.pp) == 0, \
+        f"parallel layout {cfg} does not fit a world of {world} (not validated at the entry point?)"
 
 
 def _init_process_group(device: Device, timeout_min: int) -> None:
@@ -73,13 +106,12 @@ def seed_all(seed: int, device: Device | None = None) -> None:
 
 
 def init_parallel(cfg: ParallelConfig, device: Device | None = None, *, seed: int = 1234,
-                  key: str = "actor.parallel", timeout_min: int = 30) -> ParallelInfo:
+                  timeout_min: int = 30) -> Coords:
     """Initialise torch.distributed (if needed) and Megatron's parallel state from `cfg`."""
     device = device or get_device()
     device.setup_megatron()
     _init_process_group(device, timeout_min)
-    world = dist.get_world_size()
-    dp = validate_parallel(cfg, world, key)
+    _assert_fits(cfg, dist.get_world_size())
     from megatron.core import parallel_state as mpu
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
@@ -89,11 +121,7 @@ def init_parallel(cfg: ParallelConfig, device: Device | None = None, *, seed: in
         context_parallel_size=cfg.cp, expert_model_parallel_size=cfg.ep,
         expert_tensor_parallel_size=cfg.etp, distributed_timeout_minutes=timeout_min)
     seed_all(seed, device)
-    return ParallelInfo(rank=dist.get_rank(), world_size=world, tp_rank=mpu.get_tensor_model_parallel_rank(),
-                        pp_rank=mpu.get_pipeline_model_parallel_rank(),
-                        ep_rank=mpu.get_expert_model_parallel_rank(),
-                        etp_rank=mpu.get_expert_tensor_parallel_rank(),
-                        dp_rank=mpu.get_data_parallel_rank(), dp=dp)
+    return coords()
 
 
 def destroy_parallel() -> None:
@@ -117,9 +145,10 @@ class WorkerError(RuntimeError):
         self.details = details
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free now on `host` ("" for every interface: a rendezvous other nodes reach)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -129,8 +158,7 @@ def _worker(rank: int, world: int, port: int, env: dict, fn, args, queue) -> Non
     os.environ.clear()
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if not get_device().is_accelerator:  # N processes share the cores; oversubscription is slow
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    get_device().setup_process(world)
     try:
         queue.put((rank, True, fn(*args), ""))
     except BaseException as e:  # noqa: BLE001  (reported to the parent, which decides)

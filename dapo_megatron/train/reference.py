@@ -1,7 +1,7 @@
 """The reference policy: the frozen initial model, forward-only log-probs for the KL loss.
 
     ref = Reference(cfg.ref, cfg.model.path, dtype="bf16")
-    batch.ref_logprobs = ref.compute_logprobs(batch)      # [B, T] on every rank
+    rows = ref.compute_logprobs(batch)      # this rank's Rows of [B, T] log-probs, or None
 
 Between uses its weights can live in host memory (`ref.offload`): `compute_logprobs` moves them
 to the accelerator and back. On a CPU both places are the same and nothing moves.
@@ -13,6 +13,7 @@ import torch
 from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.config.schema import RefConfig
 from dapo_megatron.device import get_device
+from dapo_megatron.models import ModelSpec
 from dapo_megatron.train import logprobs as lp
 from dapo_megatron.train.actor import build_chunks
 
@@ -26,15 +27,15 @@ def move_params(chunks: list, device: torch.device) -> None:
 
 
 class Reference:
-    def __init__(self, cfg: RefConfig, hf_dir: str, *, dtype: str = "fp32", temperature: float = 1.0,
-                 max_tokens_per_microbatch: int = 16384):
+    def __init__(self, cfg: RefConfig, hf_dir: str, *, spec: ModelSpec | None = None, dtype: str = "fp32",
+                 temperature: float = 1.0, max_tokens_per_microbatch: int = 16384):
         self.cfg, self.temperature, self.max_tokens = cfg, temperature, max_tokens_per_microbatch
         self.device = get_device()
-        self.chunks = build_chunks(hf_dir, cfg.parallel, dtype=dtype)
+        self.spec = spec = spec or ModelSpec.from_pretrained(hf_dir)
+        self.chunks = build_chunks(spec, hf_dir, cfg.parallel, dtype=dtype)
         for chunk in self.chunks:
             chunk.requires_grad_(False)
             chunk.eval()
-        self.vocab_size = self.chunks[0].hf_config.vocab_size
         self.home = next(self.chunks[0].parameters()).device  # where Megatron built the weights
         if cfg.offload:
             self.offload()
@@ -49,13 +50,13 @@ class Reference:
         if self.device.is_accelerator:
             move_params(self.chunks, self.home)
 
-    def compute_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
-        """Log-probs [B, T] of the response tokens under the reference model, on every rank."""
+    def compute_logprobs(self, batch: RolloutBatch) -> lp.Rows | None:
+        """This rank's rows of the response tokens' log-probs under the reference model (see
+        `logprobs.compute_logprobs`)."""
         self.onload()
         try:
-            out = lp.compute_logprobs(self.chunks, batch, max_tokens=self.max_tokens, vocab_size=self.vocab_size,
-                                      temperature=self.temperature)
+            return lp.compute_logprobs(self.chunks, self.spec.arch, batch, max_tokens=self.max_tokens,
+                                       vocab_size=self.spec.vocab_size, temperature=self.temperature)
         finally:
             if self.cfg.offload:
                 self.offload()
-        return out["logprobs"]

@@ -52,9 +52,8 @@ def _to_hf(pm, shards: list[torch.Tensor], dim, geo) -> dict[str, torch.Tensor]:
 
 
 def _groups():
-    from megatron.core import parallel_state as mpu
-    return dict(tp=mpu.get_tensor_model_parallel_group(), etp=mpu.get_expert_tensor_parallel_group(),
-                ep=mpu.get_expert_model_parallel_group())
+    from dapo_megatron.train.parallel import group
+    return {name: group(name) for name in ("tp", "etp", "ep")}
 
 
 def _expert_over_ep(pm, tensors: dict, geo, group) -> dict[str, torch.Tensor]:
@@ -122,9 +121,9 @@ def export_hf(model_chunks, bucket_bytes: int = 1 << 30,
 def is_dense_owner() -> bool:
     """True on the one rank per pipeline stage (TP rank 0 of DP / CP replica 0) that writes or
     sends the stage's non-expert tensors; the others hold identical copies after the TP gather."""
-    from megatron.core import parallel_state as mpu
-    return (mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0
-            and mpu.get_context_parallel_rank() == 0)
+    from dapo_megatron.train.parallel import coords
+    c = coords()
+    return c.tp_rank == 0 and c.dp_rank == 0 and c.cp_rank == 0
 
 
 def write_hf_shards(model_chunks, out_dir: str, shard_bytes: int, on_tensor=None) -> dict:
@@ -133,11 +132,10 @@ def write_hf_shards(model_chunks, out_dir: str, shard_bytes: int, on_tensor=None
     elsewhere: the caller merges them and calls `hf_io.finalize_shards`. Tensor by tensor, not in
     buckets: the writer puts each in its file at once, so a reshaped copy (QKV, gate/up) lives only
     until the next one and peak memory stays the stage's weights plus one tensor."""
-    from megatron.core import parallel_state as mpu
-
+    from dapo_megatron.train.parallel import coords
     from dapo_megatron.weights.hf_io import ShardWriter
     writer = is_dense_owner()
-    shards = ShardWriter(out_dir, f"part-s{mpu.get_pipeline_model_parallel_rank()}", shard_bytes)
+    shards = ShardWriter(out_dir, f"part-s{coords().pp_rank}", shard_bytes)
     for name, tensor in iter_hf_tensors(model_chunks):
         if writer:
             shards.add(name, tensor)

@@ -20,27 +20,24 @@ def unwrap(chunk):
     """The GPTModel inside Megatron's DDP / Float16Module wrappers (their names add `module.`)."""
     while isinstance(getattr(chunk, "module", None), torch.nn.Module):
         chunk = chunk.module
-    if not hasattr(chunk, "hf_config"):
+    if not hasattr(chunk, "spec"):
         raise ValueError(f"{type(chunk).__name__} was not built by dapo_megatron.models.build_model "
-                         "(no hf_config attribute)")
+                         "(no spec attribute)")
     return chunk
 
 
 def chunk_geometry(chunk) -> dict:
     """Per-chunk facts the name maps and reshapes need (global layer ids, TP/ETP/EP coordinates)."""
-    from megatron.core import parallel_state as mpu
-    chunk = unwrap(chunk)
-    hf = chunk.hf_config
-    ep, ep_rank = mpu.get_expert_model_parallel_world_size(), mpu.get_expert_model_parallel_rank()
-    experts_per_rank = (getattr(hf, "num_experts", 0) or 0) // ep
+    from dapo_megatron.train.parallel import coords
+    chunk, c = unwrap(chunk), coords()
+    spec = chunk.spec
+    experts_per_rank = spec.num_experts // c.ep
     return dict(
-        model_type=hf.model_type, tied=bool(hf.tie_word_embeddings), vocab_size=hf.vocab_size,
+        model_type=spec.model_type, tied=spec.tie_word_embeddings, vocab_size=spec.vocab_size,
         global_layer={i: layer.layer_number - 1 for i, layer in enumerate(chunk.decoder.layers)},
-        experts_per_rank=experts_per_rank, expert_offset=experts_per_rank * ep_rank,
-        ep=ep, ep_rank=ep_rank, head_dim=chunk.config.kv_channels,
-        heads=chunk.config.num_attention_heads, groups=chunk.config.num_query_groups,
-        tp=(mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()),
-        etp=(mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank()))
+        experts_per_rank=experts_per_rank, expert_offset=experts_per_rank * c.ep_rank,
+        ep=c.ep, ep_rank=c.ep_rank, head_dim=spec.head_dim, heads=spec.num_heads, groups=spec.num_kv_heads,
+        tp=(c.tp, c.tp_rank), etp=(c.etp, c.etp_rank))
 
 
 def param_maps(chunk, geo: dict):
@@ -113,9 +110,9 @@ def _read_gate_up(ckpt, pm, param, geo) -> torch.Tensor:
 _READERS = {"copy": _read_copy, "qkv": _read_qkv, "gate_up": _read_gate_up}
 
 
-def check_names(ckpt: HFCheckpoint, hf) -> None:
+def check_names(ckpt: HFCheckpoint, spec) -> None:
     """The checkpoint holds exactly the tensors the architecture needs (errors name them)."""
-    expected = name_map.expected_hf_shapes(hf)
+    expected = name_map.expected_hf_shapes(spec)
     have = ckpt.keys()
     missing, extra = sorted(set(expected) - have), sorted(have - set(expected))
     if missing:
@@ -124,15 +121,15 @@ def check_names(ckpt: HFCheckpoint, hf) -> None:
     if extra:
         more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
         raise CheckpointError(f"unexpected tensor {extra[0]} in {ckpt.dir}{more}; "
-                              f"not part of a {hf.model_type} model")
+                              f"not part of a {spec.model_type} model")
 
 
-def check_shapes(ckpt: HFCheckpoint, hf) -> None:
-    for name, shape in sorted(name_map.expected_hf_shapes(hf).items()):
+def check_shapes(ckpt: HFCheckpoint, spec) -> None:
+    for name, shape in sorted(name_map.expected_hf_shapes(spec).items()):
         _check_shape(ckpt, name, shape)
 
 
-def check_hf_checkpoint(hf_dir: str, hf) -> None:
+def check_hf_checkpoint(hf_dir: str, spec) -> None:
     """Cheap up-front validation (headers only): every file readable, exactly the right names."""
     ckpt = HFCheckpoint(hf_dir)
     try:
@@ -140,8 +137,8 @@ def check_hf_checkpoint(hf_dir: str, hf) -> None:
             if not os.path.exists(os.path.join(hf_dir, file)):
                 raise CheckpointError(f"safetensors file {file} listed in the index is missing from {hf_dir}")
             ckpt.open_file(file)
-        check_names(ckpt, hf)
-        check_shapes(ckpt, hf)
+        check_names(ckpt, spec)
+        check_shapes(ckpt, spec)
     finally:
         ckpt.close()
 
@@ -151,7 +148,7 @@ def _load_local(model_chunks, hf_dir: str, progress: bool, adopt: bool) -> None:
     ckpt = HFCheckpoint(hf_dir)
     show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
     try:
-        check_names(ckpt, unwrap(model_chunks[0]).hf_config)
+        check_names(ckpt, unwrap(model_chunks[0]).spec)
         for chunk in model_chunks:
             geo = chunk_geometry(chunk)
             maps = list(param_maps(chunk, geo))

@@ -142,23 +142,7 @@ def resolve(mcore_name: str, model_type: str, *, global_layer: dict, expert_offs
                     is_vocab=template in VOCAB_PARAMS, tp_dim=TP_DIM.get(template))
 
 
-def expected_hf_names(model_type: str, num_layers: int, num_experts: int, tied: bool) -> set[str]:
-    """Every tensor name a complete HF checkpoint of this architecture holds."""
-    names = set()
-    for hf in _table(model_type):
-        if tied and hf == "lm_head.weight":
-            continue
-        n = hf.count("{}")
-        if n == 0:
-            names.add(hf)
-        elif n == 1:
-            names.update(hf.format(l) for l in range(num_layers))
-        else:
-            names.update(hf.format(l, e) for l in range(num_layers) for e in range(num_experts))
-    return names
-
-
-# Full HF shape of each tensor, in named dims of the config (see `_dims`); checked from the file
+# Full HF shape of each tensor, in named dims of the model (`ModelSpec.dims`); checked from the file
 # headers before any worker starts, so a misshapen tensor is reported by name up front.
 HF_SHAPES = {
     "model.embed_tokens.weight": ("vocab", "hidden"),
@@ -185,16 +169,24 @@ HF_SHAPES = {
 }
 
 
-def _dims(hf) -> dict[str, int]:
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    return dict(vocab=hf.vocab_size, hidden=hf.hidden_size, head_dim=head_dim,
-                q_dim=hf.num_attention_heads * head_dim, kv_dim=hf.num_key_value_heads * head_dim,
-                ffn=hf.intermediate_size, experts=getattr(hf, "num_experts", 0) or 0,
-                moe_ffn=getattr(hf, "moe_intermediate_size", 0) or 0)
+def _expand(template: str, num_layers: int, num_experts: int) -> list[str]:
+    """A table template's names: one per layer, per (layer, expert), or the name itself."""
+    n = template.count("{}")
+    if n == 0:
+        return [template]
+    if n == 1:
+        return [template.format(l) for l in range(num_layers)]
+    return [template.format(l, e) for l in range(num_layers) for e in range(num_experts)]
 
 
-def expected_hf_shapes(hf) -> dict[str, tuple[int, ...]]:
-    """{HF name: full shape} of every tensor a checkpoint with config `hf` holds."""
-    dims = _dims(hf)
-    names = expected_hf_names(hf.model_type, hf.num_hidden_layers, dims["experts"], bool(hf.tie_word_embeddings))
-    return {n: tuple(dims[d] for d in HF_SHAPES[re.sub(r"\.\d+\.", ".{}.", n)]) for n in names}
+def expected_hf_shapes(spec) -> dict[str, tuple[int, ...]]:
+    """{HF name: full shape} of every tensor a complete checkpoint of `spec` (a ModelSpec) holds;
+    a tied model has no lm_head."""
+    dims = spec.dims
+    out = {}
+    for template in _table(spec.model_type):
+        if spec.tie_word_embeddings and template == "lm_head.weight":
+            continue
+        shape = tuple(dims[d] for d in HF_SHAPES[template])
+        out.update((name, shape) for name in _expand(template, spec.num_layers, spec.num_experts))
+    return out

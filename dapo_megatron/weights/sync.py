@@ -5,39 +5,28 @@ way), but each HF tensor leaves the trainer once, from the rank that owns it:
 - non-expert tensors are TP-gathered and sent by TP rank 0 of DP / CP replica 0 of each stage;
 - experts are not gathered over EP: every EP rank sends its own (expert-TP rank 0 of expert-DP
   replica 0) under global expert ids, so EP adds no gather traffic and no rank holds all experts.
-A `Transport` moves one bucket to every engine; the engines buffer a fused layer until all its
-parts arrived, whichever rank sent them. The names, shapes and dtypes sent are recorded on the
+A `transport.Sender` moves one bucket to every engine (`weights/transport.py`); the engines
+buffer a fused layer until all its parts arrived, whichever rank sent them. The names, shapes and dtypes sent are recorded on the
 first push (`SyncPlan`); a later push that sends anything else fails naming the tensor, since a
 silently missing tensor is a stale weight in the engine.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Optional, Protocol
+from typing import Iterator, Optional
 
 import torch
 
-from dapo_megatron.rollout.checksum import Checksum, tensor_checksum
+from dapo_megatron.weights.checksum import Checksum, tensor_checksum
 from dapo_megatron.weights.export import bucketize, is_dense_owner, iter_hf_params
-
-Bucket = list[tuple[str, torch.Tensor]]
-
-
-class Transport(Protocol):
-    """Moves buckets of (hf_name, tensor) from one trainer rank into every engine."""
-
-    def send(self, bucket: Bucket) -> None:
-        """Start moving one bucket; its tensors are not modified afterwards."""
-
-    def flush(self) -> None:
-        """Wait until every bucket sent so far is loaded by every engine."""
+from dapo_megatron.weights.transport import Sender
 
 
 def sender_roles() -> tuple[bool, bool]:
     """(sends non-expert tensors, sends its experts) for this rank."""
-    from megatron.core import parallel_state as mpu
-    experts = mpu.get_expert_tensor_parallel_rank() == 0 and mpu.get_expert_data_parallel_rank() == 0
-    return is_dense_owner(), experts
+    from dapo_megatron.train.parallel import coords
+    c = coords()
+    return is_dense_owner(), c.etp_rank == 0 and c.edp_rank == 0
 
 
 def owned_tensors(model_chunks) -> Iterator[tuple[str, torch.Tensor]]:
@@ -65,9 +54,9 @@ class SyncPlan:
                                f"sent {self.tensors[name]}")
 
 
-def push(model_chunks, transport: Transport, bucket_bytes: int, plan: Optional[SyncPlan] = None,
+def push(model_chunks, sender: Sender, bucket_bytes: int, plan: Optional[SyncPlan] = None,
          checksums: bool = False) -> tuple[dict[str, Checksum], SyncPlan]:
-    """Send this rank's tensors through `transport`; returns the plan (pass the first push's to
+    """Send this rank's tensors through `sender`; returns the plan (pass the first push's to
     later ones) and, with `checksums`, per-tensor checksums of what was sent (else {}: they cost
     a float64 pass over every weight, so only syncs that are verified pay it)."""
     first, plan = plan is None, plan or SyncPlan()
@@ -80,10 +69,10 @@ def push(model_chunks, transport: Transport, bucket_bytes: int, plan: Optional[S
             else:
                 plan.check(name, t)
             sent.add(name)
-        transport.send(bucket)
+        sender.send(bucket)
         if checksums:
             sums.update((name, tensor_checksum(t)) for name, t in bucket)
-    transport.flush()
+    sender.flush()
     missing = sorted(set(plan.tensors) - sent)
     if missing:
         raise RuntimeError(f"weight sync: {len(missing)} tensors of the first push were not sent, e.g. {missing[:3]}")

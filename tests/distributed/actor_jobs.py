@@ -35,9 +35,18 @@ def make_batch(n_samples: int = 8, vocab: int = 509, seed: int = 0, max_prompt: 
                  for _ in range(n_samples)]
     batch = RolloutBatch(prompts=prompts, responses=responses, group=torch.arange(n_samples) // 2,
                          prompt_index=torch.arange(n_samples) // 2)
-    adv = torch.randn(n_samples, generator=g)  # [B]
-    batch.advantages = adv[:, None] * batch.loss_mask  # [B, T]
+    batch.advantages = torch.randn(n_samples, generator=g)  # [B]
     return batch
+
+
+def everywhere(rows) -> dict:
+    """Every rank's `logprobs.Rows` joined into full [B, T] tensors on every rank: what the driver
+    does with the ranks' answers (`assemble`), done inside a test job."""
+    import torch.distributed as dist
+    from dapo_megatron.train.logprobs import assemble
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, rows)
+    return assemble(parts)
 
 
 def actor_config(parallel: dict, **over) -> ActorConfig:
@@ -72,9 +81,9 @@ def logprob_job(hf_dirs: list[str], parallel: dict, batch: RolloutBatch, max_tok
     out = []
     for d in hf_dirs:
         actor = Actor(actor_config(parallel, max_tokens_per_microbatch=max_tokens), d)
-        res = actor.compute_logprobs(batch)
+        res = everywhere(actor.compute_logprobs(batch, with_entropy=True))
         ref = Reference(RefConfig(parallel=ParallelConfig(**parallel)), d, max_tokens_per_microbatch=max_tokens)
-        res["ref"] = ref.compute_logprobs(batch)
+        res["ref"] = everywhere(ref.compute_logprobs(batch))["logprobs"]
         out.append(res)
     return out
 
@@ -84,10 +93,10 @@ def run_updates(hf_dir: str, parallel: dict, batch: RolloutBatch, over: dict, st
     exported (HF-named) new weights of this rank."""
     from dapo_megatron.train.actor import Actor
     actor = Actor(actor_config(parallel, **dict(over)), hf_dir, n=2)
-    batch.old_logprobs = perturbed_old(actor.compute_logprobs(batch, with_entropy=False)["logprobs"])
+    batch.old_logprobs = perturbed_old(everywhere(actor.compute_logprobs(batch))["logprobs"])
     batch.ref_logprobs = batch.old_logprobs - 0.05
     metrics = [actor.update(batch) for _ in range(steps)]
-    return {"metrics": metrics, "logprobs": actor.compute_logprobs(batch)["logprobs"],
+    return {"metrics": metrics, "logprobs": everywhere(actor.compute_logprobs(batch))["logprobs"],
             "weights": export_weights(actor.chunks)}
 
 
@@ -105,7 +114,7 @@ def layout_job(hf_dirs: list[str], parallel: dict, batch: RolloutBatch, max_toke
 def _train_step(actor, step: int) -> dict:
     """One RL step on batch `step` (a different batch per step, old log-probs recomputed)."""
     batch = make_batch(seed=100 + step)
-    batch.old_logprobs = perturbed_old(actor.compute_logprobs(batch, with_entropy=False)["logprobs"], seed=step)
+    batch.old_logprobs = perturbed_old(everywhere(actor.compute_logprobs(batch))["logprobs"], seed=step)
     batch.ref_logprobs = batch.old_logprobs - 0.05
     return actor.update(batch)
 
@@ -164,9 +173,9 @@ def resume_job(hf_dir: str, parallel: dict, root: str, phase: str) -> bytes:
     if phase == "train":
         out["metrics"] = [_train_step(actor, 1), _train_step(actor, 2)]
         ckpt.save_checkpoint(actor, root, 2, {"step": 2, "sampler": [7, 8]}, keep=2)
-        out["logprobs_after_2"] = actor.compute_logprobs(make_batch(seed=0), with_entropy=False)["logprobs"]
+        out["logprobs_after_2"] = everywhere(actor.compute_logprobs(make_batch(seed=0)))["logprobs"]
         out["metrics"].append(_train_step(actor, 3))
-        out["logprobs_after_3"] = actor.compute_logprobs(make_batch(seed=0), with_entropy=False)["logprobs"]
+        out["logprobs_after_3"] = everywhere(actor.compute_logprobs(make_batch(seed=0)))["logprobs"]
         real, dcp.save = dcp.save, _crashing_save(dcp.save)
         try:
             ckpt.save_checkpoint(actor, root, 3, {"step": 3}, keep=2)
@@ -180,7 +189,7 @@ def resume_job(hf_dir: str, parallel: dict, root: str, phase: str) -> bytes:
     if phase == "resume":
         out["trainer_state"] = ckpt.load_checkpoint(actor, path)
         out["metrics"] = [_train_step(actor, 3)]
-        out["logprobs_after_3"] = actor.compute_logprobs(make_batch(seed=0), with_entropy=False)["logprobs"]
+        out["logprobs_after_3"] = everywhere(actor.compute_logprobs(make_batch(seed=0)))["logprobs"]
         return pack(out)
     out["damaged_error"] = _load_damaged_copy(actor, path)
     try:
@@ -188,7 +197,7 @@ def resume_job(hf_dir: str, parallel: dict, root: str, phase: str) -> bytes:
     except ValueError as e:
         out["optimizer_error"] = str(e)
     out["trainer_state"] = ckpt.load_checkpoint(actor, path, load_optimizer=False)
-    out["logprobs_after_2"] = actor.compute_logprobs(make_batch(seed=0), with_entropy=False)["logprobs"]
+    out["logprobs_after_2"] = everywhere(actor.compute_logprobs(make_batch(seed=0)))["logprobs"]
     # Last: a save killed mid-write (os._exit, no clean-up runs). Results go to a file first.
     with open(os.path.join(root, "reshard_result.pt"), "wb") as f:
         f.write(pack(out))

@@ -23,9 +23,9 @@ def fail_on_rank(bad_rank: int) -> None:
 
 
 def _build(hf_dir: str, dtype: str = "fp32"):
-    from dapo_megatron.models import build_model, load_hf_config
+    from dapo_megatron.models import ModelSpec, build_model
     from dapo_megatron.weights import load_hf_checkpoint
-    chunks = build_model(load_hf_config(hf_dir), dtype=dtype, perform_initialization=False)
+    chunks = build_model(ModelSpec.from_pretrained(hf_dir), dtype=dtype, perform_initialization=False)
     load_hf_checkpoint(chunks, hf_dir)
     return chunks
 
@@ -77,23 +77,27 @@ def _load_error(chunks, hf_dir: str) -> str:
 
 
 def broadcast_sync_job(ports: list[int]) -> bytes:
-    """Ranks 0 and 1 each send two buckets over their own group (weights/collective.py) to rank
-    2, which receives both groups at once on two threads, like an engine with two senders."""
+    """Ranks 0 and 1 are trainer ranks that each send two buckets through their own
+    BroadcastTransport (weights/transport.py); rank 2 is an engine whose one transport receives
+    both senders at once, on two threads."""
     import os
     import threading
 
     from actor_jobs import pack
     from dapo_megatron.device import get_device
-    from dapo_megatron.weights import collective
+    from dapo_megatron.weights.transport import BroadcastTransport
     rank, device = int(os.environ["RANK"]), get_device("cpu")
+    transport = BroadcastTransport(device)
     if rank < 2:
         g = torch.Generator().manual_seed(rank)
         buckets = [[(f"s{rank}.a", torch.randn(3, 5, generator=g)), (f"s{rank}.b", torch.randn(7, generator=g).bfloat16()),
                     (f"s{rank}.c", torch.randn(3, generator=g))],  # c follows 14 bytes of b: needs the alignment
                    [(f"s{rank}.d", torch.arange(5) * (rank + 1)), (f"s{rank}.e", torch.tensor([True, False, True]))]]
-        sender = collective.BroadcastSender(collective.connect(device, "127.0.0.1", ports[rank], 0, 2), device)
+        # The engine handles only count here (one receiver); this transport never calls them.
+        sender = transport.sender(engines=["engine"], address=("127.0.0.1", ports[rank]))
         for bucket in buckets:
             sender.send(bucket)
+        sender.flush()
         sender.close()
         return pack({name: t for bucket in buckets for name, t in bucket})
     got, lock, counts = {}, threading.Lock(), []
@@ -104,10 +108,10 @@ def broadcast_sync_job(ports: list[int]) -> bytes:
         return len(bucket)
 
     def run(port):
-        counts.append(collective.receive(collective.connect(device, "127.0.0.1", port, 1, 2), device, load))
+        counts.append(transport.receive(("127.0.0.1", port), 1, 2, load))
     threads = [threading.Thread(target=run, args=(p,)) for p in ports]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return pack(dict(got=got, counts=sorted(counts)))
+    return pack(dict(got=got, counts=sorted(counts), groups=len(transport._groups)))

@@ -49,19 +49,19 @@ class RecordingSampler:
 def half_degenerate(items, groups):
     """Even dataset indices: every response 'correct' (a group with no signal); odd: mixed."""
     from dapo_megatron.algo import Group
-    from dapo_megatron.driver.collect import make_payload
+    from dapo_megatron.driver.collect import ScoredGroup
     out = []
     for item, group in zip(items, groups):
         n = len(group.responses)
         acc = torch.ones(n) if item.index % 2 == 0 else (torch.arange(n) % 2).float()
-        out.append(Group(acc.tolist(), make_payload(item, group, acc * 2 - 1, acc.bool())))
+        out.append(Group(acc.tolist(), ScoredGroup(item, group, acc * 2 - 1, acc.bool())))
     return out
 
 
 def _check_kept(result):
     from dapo_megatron.driver.collect import groups_to_batch
     assert len(result.groups) == TRAIN
-    assert all(g.payload["item"].index % 2 == 1 for g in result.groups)
+    assert all(g.payload.item.index % 2 == 1 for g in result.groups)
     batch = groups_to_batch(result.groups)
     assert len(batch) == TRAIN * N and batch.group.tolist() == [i // N for i in range(TRAIN * N)]
     assert batch.rollout_logprobs.shape[0] == TRAIN * N and batch.scores.shape == (TRAIN * N,)

@@ -12,11 +12,14 @@ import time
 import pytest
 import torch
 
+from dapo_megatron.batch import Prompt
+
 pytestmark = pytest.mark.e2e
 
 VOCAB = 500  # not a multiple of 64: vLLM pads the embedding, the readback must drop the padding
 NEW_TOKENS = 12
 PROMPTS = [[1, 2, 3, 4], [10, 20, 30], [7] * 9, [499, 0, 250, 125, 60]]
+RECORDS = [Prompt(tuple(p)) for p in PROMPTS]  # what the engine takes
 
 
 def _hf_model(path):
@@ -67,7 +70,7 @@ def setup(request, tmp_path_factory):
 
 def _greedy(engine):
     from dapo_megatron.rollout.types import Sampling
-    groups = engine.generate(PROMPTS, Sampling(temperature=0.0, max_tokens=NEW_TOKENS))
+    groups = engine.generate(RECORDS, Sampling(temperature=0.0, max_tokens=NEW_TOKENS))
     assert [g.index for g in groups] == list(range(len(PROMPTS)))
     return groups
 
@@ -89,7 +92,7 @@ def test_greedy_and_logprobs_match_hf(setup):
 
 
 def test_push_b_then_back_to_a(setup):
-    from dapo_megatron.rollout.checksum import checksum_mismatches, state_dict_checksums
+    from dapo_megatron.weights.checksum import checksum_mismatches, state_dict_checksums
     engine, sds = setup["engine"], setup["state_dicts"]
     assert checksum_mismatches(state_dict_checksums(sds["A"].items()), engine.checksums()) == []
     _push(engine, sds["B"])
@@ -115,10 +118,10 @@ def test_check_sync_catches_the_moe_repack_bug(setup, monkeypatch):
     try:
         monkeypatch.setattr(worker_ext, "_expert_layers", lambda model: iter(()))  # skip our repack fix
         _push(engine, sds["B"])
-        broken = max_logprob_diff(engine.generate(PROMPTS, sampling), hf_b)
+        broken = max_logprob_diff(engine.generate(RECORDS, sampling), hf_b)
         monkeypatch.undo()
         _push(engine, sds["B"])
-        fixed = max_logprob_diff(engine.generate(PROMPTS, sampling), hf_b)
+        fixed = max_logprob_diff(engine.generate(RECORDS, sampling), hf_b)
     finally:
         monkeypatch.undo()
         _push(engine, sds["A"])
@@ -150,7 +153,7 @@ def test_pause_resume_around_a_push(setup):
     from dapo_megatron.rollout.types import Sampling
     engine, sds = setup["engine"], setup["state_dicts"]
     engine.pause()
-    for i, p in enumerate(PROMPTS):
+    for i, p in enumerate(RECORDS):
         engine.submit(f"paused-{i}", p, Sampling(temperature=0.0, max_tokens=NEW_TOKENS), index=i)
     assert engine.poll(timeout=0.5) == []  # paused: no step ran
     engine.update_weights(_buckets(sds["B"]))  # keeps the engine paused: it was paused before
@@ -174,7 +177,7 @@ def test_abort_half_of_the_requests(setup):
     engine = setup["engine"]
     long = Sampling(temperature=1.0, max_tokens=900, seed=3)
     for i in range(8):
-        engine.submit(f"abort-{i}", [5 + i, 6, 7], long, index=i)
+        engine.submit(f"abort-{i}", Prompt((5 + i, 6, 7)), long, index=i)
     time.sleep(0.3)  # let every request generate some tokens
     engine.pause()  # so that none can finish between the check below and the abort
     assert engine.num_in_flight() == 8, "requests finished before the abort; raise max_tokens"
@@ -194,9 +197,9 @@ def test_n_samples_are_distinct_and_reproducible(setup):
     from dapo_megatron.rollout.types import Sampling
     engine = setup["engine"]
     sampling = Sampling(n=4, temperature=1.0, max_tokens=16, seed=11)
-    first = engine.generate(PROMPTS[:2], sampling)
+    first = engine.generate(RECORDS[:2], sampling)
     for g in first:
         assert len(g.responses) == 4 and len({tuple(r) for r in g.responses}) == 4
         assert all(len(lp) == 16 for lp in g.rollout_logprobs)
-    again = engine.generate(PROMPTS[:2], sampling)
+    again = engine.generate(RECORDS[:2], sampling)
     assert [g.responses for g in again] == [g.responses for g in first]

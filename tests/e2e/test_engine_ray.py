@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dapo_megatron.batch import Prompt
+
 pytestmark = pytest.mark.e2e
 
 
@@ -27,16 +29,16 @@ def actor(tmp_path_factory):
 def test_actor_generate_push_and_checksums(actor):
     from safetensors.torch import load_file
 
-    from dapo_megatron.rollout.checksum import checksum_mismatches, state_dict_checksums
+    from dapo_megatron.weights.checksum import checksum_mismatches, state_dict_checksums
     from dapo_megatron.rollout.types import Sampling
     ray, handle, paths = actor
     greedy = Sampling(temperature=0.0, max_tokens=8)
-    before = ray.get(handle.generate.remote([[1, 2, 3]], greedy))
+    before = ray.get(handle.generate.remote([Prompt((1, 2, 3))], greedy))
     sd_b = load_file(f"{paths[1]}/model.safetensors")
     items = sorted(sd_b.items())
     assert ray.get(handle.update_weights.remote([items[:20], items[20:]])) == len(items)
     assert checksum_mismatches(state_dict_checksums(items), ray.get(handle.checksums.remote())) == []
-    after = ray.get(handle.generate.remote([[1, 2, 3]], greedy))
+    after = ray.get(handle.generate.remote([Prompt((1, 2, 3))], greedy))
     assert after[0].responses != before[0].responses and after[0].finish_reasons == ["length"]
 
 
@@ -45,7 +47,7 @@ def test_actor_submit_poll_abort(actor):
     ray, handle, _ = actor
     ray.get(handle.pause.remote())
     for i in range(4):
-        ray.get(handle.submit.remote(f"r{i}", [3, 4, i], Sampling(temperature=1.0, max_tokens=300, seed=i), i))
+        ray.get(handle.submit.remote(f"r{i}", Prompt((3, 4, i)), Sampling(temperature=1.0, max_tokens=300, seed=i), i))
     waiting = handle.poll.remote(timeout=30.0)  # blocks in the actor while other calls go on
     assert ray.get(handle.abort.remote(["r0", "r1"])) == ["r0", "r1"]
     ray.get(handle.resume.remote())

@@ -14,10 +14,10 @@ def test_tp2_moe_generate_push_as_bytes_and_checksum(tmp_path):
 
     from dapo_megatron.assets.models import build_tiny_model
     from dapo_megatron.config.schema import ParallelConfig, RolloutConfig
-    from dapo_megatron.rollout.checksum import checksum_mismatches, state_dict_checksums
+    from dapo_megatron.weights.checksum import checksum_mismatches, state_dict_checksums
     from dapo_megatron.rollout.engine import Engine
     from dapo_megatron.rollout.types import Sampling
-    from tests.e2e.test_engine import PROMPTS, _hf_model, hf_greedy
+    from tests.e2e.test_engine import PROMPTS, RECORDS, _hf_model, hf_greedy
     paths = [build_tiny_model("qwen3_moe", str(tmp_path / n), vocab_size=500, seed=s) for n, s in (("A", 0), ("B", 1))]
     expected = [hf_greedy(_hf_model(p), PROMPTS, 8) for p in paths]
     engine = Engine(paths[0], RolloutConfig(enforce_eager=True, parallel=ParallelConfig(tp=2)),
@@ -25,13 +25,13 @@ def test_tp2_moe_generate_push_as_bytes_and_checksum(tmp_path):
     try:
         assert engine.weight_transport == "bytes"
         greedy = Sampling(temperature=0.0, max_tokens=8)
-        assert [g.responses[0] for g in engine.generate(PROMPTS, greedy)] == expected[0]
+        assert [g.responses[0] for g in engine.generate(RECORDS, greedy)] == expected[0]
         items = sorted(load_file(f"{paths[1]}/model.safetensors").items())
         before = engine.checksums()  # each worker's slices, merged: must equal whole-tensor checksums
         assert checksum_mismatches(state_dict_checksums(load_file(f"{paths[0]}/model.safetensors").items()),
                                    before) == []
         assert engine.update_weights([items[:30], items[30:]]) == len(items)
-        assert [g.responses[0] for g in engine.generate(PROMPTS, greedy)] == expected[1]
+        assert [g.responses[0] for g in engine.generate(RECORDS, greedy)] == expected[1]
         assert checksum_mismatches(state_dict_checksums(items), engine.checksums()) == []
         assert checksum_mismatches(state_dict_checksums(items), before) != []
     finally:

@@ -6,25 +6,20 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 
 import pytest
+
+from dapo_megatron.train.parallel import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_ray_job_submit_runs_quickstart(tiny_assets, tmp_path):
-    gcs, dash = _free_port(), _free_port()
+    gcs, dash = free_port(), free_port()
     # Ray 2.60 clusters require a token; give this test cluster its own, through the environment.
     env = {**os.environ, "RAY_DISABLE_USAGE_STATS": "1", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": secrets.token_hex(16)}

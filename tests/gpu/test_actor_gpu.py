@@ -50,7 +50,7 @@ def test_actor_logprobs_match_hf_and_update_on_gpu(setup):
     assert next(actor.model[0].parameters()).is_cuda
     batch = actor_jobs.make_batch(n_samples=8, vocab=VOCAB)
     mask = batch.loss_mask
-    got = actor.compute_logprobs(batch)
+    got = actor_jobs.everywhere(actor.compute_logprobs(batch, with_entropy=True))
     assert got["logprobs"].shape == mask.shape and torch.isfinite(got["entropy"]).all()
     diff = ((got["logprobs"] - hf_logprobs_on_gpu(hf_dir, batch)).abs() * mask).max().item()
     print(f"max |actor - HF| log-prob difference on {torch.cuda.get_device_name()}: {diff:.3e}")
@@ -66,5 +66,5 @@ def test_actor_logprobs_match_hf_and_update_on_gpu(setup):
     assert metrics["actor/grad_norm"] > 0
     moved = max((p.detach() - b).abs().max().item() for p, b in zip(actor.model[0].parameters(), before))
     assert 0 < moved < 1e-2  # Adam's first step moves a weight by ~lr = 1e-4
-    after = actor.compute_logprobs(batch, with_entropy=False)["logprobs"]
+    after = actor_jobs.everywhere(actor.compute_logprobs(batch))["logprobs"]
     assert ((after - got["logprobs"]).abs() * mask).max() > 0

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dapo_megatron.algo import broadcast_advantages, compute_grpo_advantages
+from dapo_megatron.algo import compute_grpo_advantages
 
 # Group 0: [1, 0, 0] (mean 1/3, unbiased std 1/sqrt(3)); group 1: [1, 1] (std 0); group 2: singleton [5].
 SCORES = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 5.0])
@@ -44,8 +44,3 @@ def test_grpo_groups_sum_to_zero_and_permute(samples, rnd):
     perm = list(range(len(samples)))
     rnd.shuffle(perm)
     torch.testing.assert_close(compute_grpo_advantages(scores[perm], groups[perm]), adv[perm])
-
-
-def test_broadcast_advantages():
-    out = broadcast_advantages(torch.tensor([2.0, -1.0]), torch.tensor([[1, 1, 0], [0, 0, 0]]))
-    torch.testing.assert_close(out, torch.tensor([[2.0, 2.0, 0.0], [0.0, 0.0, 0.0]]))

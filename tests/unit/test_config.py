@@ -7,13 +7,19 @@ import warnings
 
 import pytest
 
-from dapo_megatron.config import ConfigError, available_configs, check_model, load_config, schema_keys
+from dapo_megatron.config import ConfigError, available_configs, load_config, schema_keys
 from dapo_megatron.config.verl_compat import VERL_TO_OURS, translate_overrides
+from dapo_megatron.models import ModelSpec
 
-QWEN3_30B = dict(num_attention_heads=32, num_key_value_heads=4, num_hidden_layers=48, num_experts=128,
-                 max_position_embeddings=40960)
-TINY_MOE = dict(num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, num_experts=4,
-                max_position_embeddings=1024)
+QWEN3_30B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_attention_heads=32,
+                 num_key_value_heads=4, num_hidden_layers=48, num_experts=128, max_position_embeddings=40960)
+TINY_MOE = dict(model_type="qwen3_moe", vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
+                num_hidden_layers=4, num_experts=4, max_position_embeddings=1024)
+
+
+def check_model(cfg, hf: dict) -> None:
+    from dapo_megatron.config import check_model as check
+    check(cfg, ModelSpec.from_hf(hf))
 
 
 @pytest.mark.parametrize("name", ["dapo", "quickstart", "qwen3_30b_a3b_megatron_gpu", "qwen3_30b_a3b_megatron_npu"])
@@ -116,11 +122,15 @@ RULES = [
     (["actor.parallel.ep=4"], "actor.parallel.ep"),
     (["actor.parallel.ep=1", "actor.parallel.vpp=2"], "actor.parallel.vpp"),
     (["actor.parallel.ep=1", "actor.parallel.cp=0"], "actor.parallel.cp"),
+    (["actor.parallel.tp=0"], "actor.parallel.tp"),
     (["actor.use_kl_loss=true", "ref.parallel.tp=4"], "ref.parallel.tp"),
     (["actor.use_kl_loss=true", "ref.parallel.ep=1"], "ref.parallel"),
     (["rollout.parallel.tp=4"], "rollout.parallel.tp"),
     (["rollout.parallel.ep=2"], "rollout.parallel.ep"),
     (["rollout.parallel.pp=2"], "rollout.parallel.pp"),
+    (["rollout.parallel.cp=2"], "rollout.parallel.cp"),
+    (["rollout.parallel.etp=2"], "rollout.parallel.etp"),
+    (["rollout.parallel.tp=0"], "rollout.parallel.tp"),
     (["rollout.num_engines=3"], "rollout.num_engines"),
     (["rollout.parallel.tp=2", "rollout.parallel.ep=2"], "rollout.sync.verify_every"),
     (["rollout.sync.transport=nccl"], "rollout.sync.transport"),
@@ -179,3 +189,20 @@ def test_main_help_and_bad_input_exit_codes():
     assert "Traceback" not in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
     missing = _run_main("--config-name", "dapo", "model.path=/no/such/model")
     assert missing.returncode == 2 and "/no/such/model" in missing.stderr
+
+
+def test_main_model_rules_run_once_and_exit_like_bad_config(tiny_assets, tmp_path):
+    """The rules that need the model run once, after the model path is resolved and before Ray
+    starts; a model the config does not fit is one error line and exit code 2."""
+    model = tiny_assets / "qwen3_moe"
+    proc = _run_main("--config-name", "quickstart", f"model.path={model}", f"trainer.default_local_dir={tmp_path}",
+                     "data.max_response_length=2000")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert lines[-1].startswith("error: ") and "max_position_embeddings (1024)" in lines[-1]
+    assert "Traceback" not in proc.stderr and "Started a local Ray" not in proc.stderr
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    proc = _run_main("--config-name", "quickstart", f"model.path={not_a_model}", f"trainer.default_local_dir={tmp_path}")
+    assert proc.returncode == 2 and "model.path" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
+

@@ -60,17 +60,18 @@ def test_parquet_and_jsonl_concatenate(tiny_assets, tokenizer, tmp_path):
         "ground_truth"]
     assert first.data_source == "tiny_add" and first.extra_info == {"index": 0, "split": "train"}
     assert first.source.endswith("train.parquet row 0") and from_jsonl.source.endswith("extra.jsonl row 0 (line 1)")
-    assert from_jsonl.prompt_ids == first.prompt_ids and len(first.prompt_ids) == TASK_PROMPT_TOKENS
+    assert from_jsonl.prompt.ids == first.prompt.ids and len(first.prompt.ids) == TASK_PROMPT_TOKENS
     text = tokenizer.apply_chat_template(first.messages, add_generation_prompt=True, tokenize=False)
-    assert tokenizer.decode(first.prompt_ids) == text
+    assert tokenizer.decode(first.prompt.ids) == text
 
 
-def test_from_config_resolves_tiny_paths(tiny_assets, tokenizer, monkeypatch):
-    monkeypatch.setenv("DAPO_MEGATRON_ASSETS", str(tiny_assets))
-    cfg = DataConfig(train_files=["tiny://data/train.parquet"], val_files=["tiny://data/val.parquet"],
-                     max_prompt_length=64)
+def test_from_config_reads_both_splits(tiny_assets, tokenizer):
+    cfg = DataConfig(train_files=[str(tiny_assets / "data" / "train.parquet")],
+                     val_files=[str(tiny_assets / "data" / "val.parquet")], max_prompt_length=64)
     assert len(PromptDataset.from_config(cfg, tokenizer, "train")) == 80
     assert len(PromptDataset.from_config(cfg, tokenizer, "val")) == 20
+    with pytest.raises(DataError, match="tiny://data/x.parquet"):  # tiny:// is resolved by the caller
+        PromptDataset.from_config(DataConfig(train_files=["tiny://data/x.parquet"]), tokenizer, "train")
 
 
 @pytest.mark.parametrize("truncation,max_len,expected", [
@@ -83,9 +84,9 @@ def test_truncation_modes(tokenizer, tmp_path, truncation, max_len, expected):
     path = write_jsonl(tmp_path / "one.jsonl", [synthetic.make_row(3, 4, 0, "train")])
     ds = load([path], tokenizer, max_prompt_length=max_len, truncation=truncation)
     (item,) = ds
-    assert len(item.prompt_ids) == max_len
+    assert len(item.prompt.ids) == max_len
     if expected is not None:
-        assert tokenizer.decode(item.prompt_ids) == expected and ds.stats["truncated"] == 1
+        assert tokenizer.decode(item.prompt.ids) == expected and ds.stats["truncated"] == 1
     else:
         assert ds.stats["truncated"] == 0
 

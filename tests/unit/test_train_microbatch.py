@@ -10,7 +10,7 @@ def _batch(prompt_lens, response_lens):
     responses = [torch.arange(100, 100 + r) for r in response_lens]
     b = RolloutBatch(prompts=prompts, responses=responses, group=torch.zeros(len(prompts), dtype=torch.long),
                      prompt_index=torch.zeros(len(prompts), dtype=torch.long))
-    b.advantages = torch.arange(len(prompts)).float()[:, None] * b.loss_mask  # [B, T]
+    b.advantages = torch.arange(len(prompts)).float()  # [B]
     return b
 
 
@@ -40,7 +40,8 @@ def test_build_microbatch_aligns_responses():
     assert micro.tokens[0, :5].tolist() == [1, 100, 101, 102, 103]
     assert micro.labels[0, :4].tolist() == [100, 101, 102, 103]  # position t predicts token t + 1
     assert micro.loss_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 0], [0, 0, 0, 0]]
-    assert micro.fields["advantages"][0].tolist() == [1, 1, 1, 1]
+    assert micro.advantages.tolist() == [1, 0, 0]  # [b]: per sample; the padding row holds the pad
+    assert micro.prompt_index.tolist() == [0, 0, 0] and micro.old_logprobs is None
     assert micro.num_tokens == 3 + 1 + 2 + 4
 
 

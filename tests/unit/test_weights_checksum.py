@@ -1,11 +1,10 @@
-"""Checksums both sides of a weight sync compute, and the engine's config checks (no vLLM)."""
+"""Checksums both sides of a weight sync compute, and the engine's request types (no vLLM)."""
 import pytest
 import torch
 
-from dapo_megatron.config.schema import ParallelConfig, RolloutConfig
-from dapo_megatron.rollout.checksum import (Checksum, checksum_mismatches, merge_checksums, shard_checksum,
+from dapo_megatron.config.schema import RolloutConfig
+from dapo_megatron.weights.checksum import (Checksum, checksum_mismatches, merge_checksums, shard_checksum,
                                             state_dict_checksums, tensor_checksum)
-from dapo_megatron.rollout.engine import check_parallel
 from dapo_megatron.rollout.types import RolloutGroup, Sampling
 
 
@@ -63,14 +62,6 @@ def test_mismatches_report_changed_missing_and_extra_names():
     # checksums that went through Ray / JSON as plain tuples compare the same
     assert checksum_mismatches(ref, {k: tuple(v) for k, v in ref.items()}) == []
     assert isinstance(ref["a"], Checksum)
-
-
-@pytest.mark.parametrize("kw,key", [(dict(tp=2, ep=4), "rollout.parallel.ep"), (dict(tp=0), "rollout.parallel.tp"),
-                                    (dict(pp=2), "rollout.parallel.pp")])
-def test_parallel_errors_name_the_key(kw, key):
-    with pytest.raises(ValueError, match=key.replace(".", r"\.")):
-        check_parallel(ParallelConfig(**kw))
-    check_parallel(ParallelConfig(tp=2, ep=2))
 
 
 def test_sampling_from_config():
