@@ -43,12 +43,15 @@ def main() -> None:
                 ray.shutdown()
             steps = [json.loads(line) for line in open(f"{out}/metrics.jsonl")][1:]  # the first step warms up
         med = {k: statistics.median(s[k] for s in steps) for k in
-               ("timing/step", "driver/cpu_s", "driver/batch_bytes", "sampling/generated_tokens")}
+               ("timing/step", "timing/gen", "timing/old_logprob", "timing/update", "timing/sync", "driver/cpu_s",
+                "driver/batch_bytes", "sampling/generated_tokens")}
         rows.append((str(bs), str(bs * args.n), f"{med['sampling/generated_tokens']:.0f}", f"{med['timing/step']:.2f}",
+                     *(f"{med[f'timing/{k}']:.3f}" for k in ("gen", "old_logprob", "update", "sync")),
                      f"{med['driver/cpu_s']:.3f}", f"{med['driver/cpu_s'] / med['timing/step']:.1%}",
                      f"{med['driver/batch_bytes'] / 1e3:.1f}",
                      f"{med['driver/batch_bytes'] / (bs * args.n):.0f}"))
-    head = ("groups", "responses", "tokens", "step s", "driver CPU s", "driver share", "batch kB", "bytes/response")
+    head = ("groups", "responses", "tokens", "step s", "gen s", "old logprob s", "update s", "sync s", "driver CPU s",
+            "driver share", "batch kB", "bytes/response")
     print(f"\ndriver overhead per step (median of steps 2..{args.steps})")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
