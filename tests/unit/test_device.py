@@ -54,6 +54,10 @@ def test_cpu_bind_groups_for_tp_engines(monkeypatch):
 
 def test_ray_resource_and_cpu_threads():
     assert [Device(k).ray_resource for k in ("cuda", "npu", "cpu")] == ["GPU", "NPU", "CPU"]
+    # What a placed actor asks Ray for: half a device when roles share one (colocated).
+    assert Device("cpu").ray_options(0.5) == {"num_cpus": 0.5}
+    assert Device("cuda").ray_options(0.5) == {"num_cpus": 0, "num_gpus": 0.5}
+    assert Device("npu").ray_options(1.0) == {"num_cpus": 0, "resources": {"NPU": 1.0}}
     before = torch.get_num_threads()
     try:
         get_device("cpu").setup_process(64)
