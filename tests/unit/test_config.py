@@ -206,3 +206,17 @@ def test_main_model_rules_run_once_and_exit_like_bad_config(tiny_assets, tmp_pat
     proc = _run_main("--config-name", "quickstart", f"model.path={not_a_model}", f"trainer.default_local_dir={tmp_path}")
     assert proc.returncode == 2 and "model.path" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
 
+
+
+@pytest.mark.parametrize("layout,flag", [(dict(tp=3), "--tp"), (dict(ep=3), "--ep"), (dict(pp=3), "--pp"),
+                                         (dict(tp=0), "--tp")])
+def test_convert_layout_rules_name_the_flag(layout, flag):
+    """The convert / verify tools check --tp/--pp/--ep/--etp with the config's own rules; a
+    layout the model cannot split is an error naming the flag (not a worker traceback)."""
+    from dapo_megatron.convert import checked_layout
+    spec = ModelSpec.from_hf(TINY_MOE)
+    with pytest.raises(ConfigError) as err:
+        checked_layout({"tp": 1, "pp": 1, "ep": 1, "etp": 1, **layout}, spec)
+    assert err.value.key == flag and flag in str(err.value)
+    # Training's expert-TP rule does not apply to a conversion.
+    assert checked_layout(dict(tp=2, pp=2, ep=1, etp=1), spec) == dict(tp=2, pp=2, ep=1, etp=1)
