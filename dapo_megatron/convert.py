@@ -41,9 +41,9 @@ def _parallel(layout: dict):
     return ParallelConfig(**layout)
 
 
-def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str, device: str) -> None:
+def _hf_to_mcore_worker(hf_dir: str, spec, out_dir: str, layout: dict, dtype: str, device: str) -> None:
     from dapo_megatron.device import get_device
-    from dapo_megatron.models import ModelSpec, build_model
+    from dapo_megatron.models import build_model
     from dapo_megatron.train.checkpoint import dist_save
     from dapo_megatron.train.integrity import write_manifest
     from dapo_megatron.train.parallel import init_parallel
@@ -52,7 +52,7 @@ def _hf_to_mcore_worker(hf_dir: str, out_dir: str, layout: dict, dtype: str, dev
     init_parallel(_parallel(layout), dev)
     # Every parameter is overwritten by the load: skip Megatron's random init, which on CPU
     # builds each full (unsharded) weight on every rank before slicing it.
-    chunks = build_model(ModelSpec.from_pretrained(hf_dir), dtype=dtype, perform_initialization=False,
+    chunks = build_model(spec, dtype=dtype, perform_initialization=False,
                          device=dev)
     load_hf_checkpoint(chunks, hf_dir, progress=True, adopt=True)
     dist_save({"model": _own_storage(chunks[0])}, out_dir)
@@ -93,19 +93,19 @@ def _exact_storage(t):
     return torch.from_numpy(raw).view(t.dtype).view(t.shape)
 
 
-def _mcore_to_hf_worker(ckpt: str, hf_config_dir: str, out_dir: str, layout: dict, dtype: str,
+def _mcore_to_hf_worker(ckpt: str, spec, out_dir: str, layout: dict, dtype: str,
                         shard_bytes: int, device: str) -> dict:
     """Load the dist checkpoint at `layout`, export; one writer per pipeline stage."""
     import torch.distributed as dist
     from tqdm import tqdm
 
     from dapo_megatron.device import get_device
-    from dapo_megatron.models import ModelSpec, build_model
+    from dapo_megatron.models import build_model
     from dapo_megatron.train.parallel import init_parallel
     from dapo_megatron.weights.export import write_hf_shards
     dev = get_device(device)
     init_parallel(_parallel(layout), dev)
-    chunks = build_model(ModelSpec.from_pretrained(hf_config_dir), dtype=dtype, perform_initialization=False,
+    chunks = build_model(spec, dtype=dtype, perform_initialization=False,
                          device=dev)
     state, keys = _load_in_place(chunks[0], ckpt)
     chunks[0].load_state_dict(state, strict=True)  # checks the keys; a tensor copied onto itself is skipped
@@ -286,7 +286,7 @@ def hf_to_mcore(args) -> str:
     tmp = _temp_dir(args.out, args.force)
     try:
         world = world_for_layout(layout)
-        run_workers(_hf_to_mcore_worker, world, os.path.abspath(args.hf_dir), tmp, layout, dtype,
+        run_workers(_hf_to_mcore_worker, world, os.path.abspath(args.hf_dir), spec, tmp, layout, dtype,
                     pick_device(args.device, world), timeout_s=args.timeout)
         _copy_aux(args.hf_dir, os.path.join(tmp, HF_SUBDIR), dtype)
         with open(os.path.join(tmp, META_FILE), "w") as f:
@@ -308,13 +308,14 @@ def mcore_to_hf(args) -> str:
     hf_config = args.hf_config or os.path.join(args.ckpt, HF_SUBDIR)
     _check_hf_dir(hf_config)
     dtype = _ckpt_dtype(args.ckpt, hf_config) if args.dtype == "keep" else args.dtype
-    layout = checked_layout(dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp), ModelSpec.from_pretrained(hf_config))
+    spec = ModelSpec.from_pretrained(hf_config)  # read once here; the workers get it with their arguments
+    layout = checked_layout(dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp), spec)
     integrity.check(args.ckpt)  # every file's size and CRC32, while the workers import
     tensors = _tensor_keys(args.ckpt)
     tmp = _temp_dir(args.out, args.force)
     try:
         world = world_for_layout(layout)
-        results = run_workers(_mcore_to_hf_worker, world, os.path.abspath(args.ckpt), os.path.abspath(hf_config),
+        results = run_workers(_mcore_to_hf_worker, world, os.path.abspath(args.ckpt), spec,
                               tmp, layout, dtype, args.shard_mb << 20, pick_device(args.device, world),
                               timeout_s=args.timeout)
         _check_all_loaded(args.ckpt, hf_config, tensors, set().union(*(r["keys"] for r in results)))
