@@ -1,5 +1,12 @@
 """What vLLM needs on a CPU that it does not do itself; installed in every engine worker process.
 
+MoE weight updates. vLLM's weight-update path skips the experts' kernel-specific
+post-processing, assuming it is a no-op (it is on GPU). On CPU it pads the expert intermediate
+size to a multiple of 32 and prepacks both weights for the grouped GEMM. Skipped, an update
+copied raw weights into packed storage, so outputs were silently wrong; with an unpadded size
+(moe_intermediate 48) the copy failed outright. `_setup_kernel` is made to run that step on
+updates too.
+
 Seeded sampling with chunked prefill. When a step prefills only part of a prompt (its tokens
 exceed `rollout.max_num_batched_tokens`), vLLM still samples a token for it, discards it, and
 rewinds the request's generator with `set_offset(get_offset() - 4)`: a Philox offset, which CPU
@@ -35,8 +42,25 @@ def _rewindable(generator):
     return out
 
 
+def _repack_experts_on_update() -> None:
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    if hasattr(UnquantizedFusedMoEMethod, "_dapo_original_setup_kernel"):
+        return
+    setup_kernel = UnquantizedFusedMoEMethod._setup_kernel
+
+    def _setup_kernel(self, layer, w13, w2):
+        updating = self.moe_kernel is not None  # vLLM's own test for "a weight update"
+        setup_kernel(self, layer, w13, w2)
+        if updating:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    UnquantizedFusedMoEMethod._dapo_original_setup_kernel = setup_kernel
+    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
+
+
 def install(model_runner) -> None:
-    """Give this worker's seeded requests rewindable generators; idempotent."""
+    """Experts repacked on weight updates; seeded requests get rewindable generators. Idempotent."""
+    _repack_experts_on_update()
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
     if not getattr(CachedRequestState, "_dapo_rewindable", False):
         post_init = CachedRequestState.__post_init__

@@ -54,12 +54,6 @@ def _is_cpu_packed_moe(layer) -> bool:
     return isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch
 
 
-def _expert_layers(model) -> Iterator[tuple[str, torch.nn.Module]]:
-    for name, module in model.named_modules():
-        if hasattr(module, "w13_weight") and hasattr(module, "w2_weight"):
-            yield name, module
-
-
 @torch.no_grad()
 def _unpack_linear(module, param: torch.Tensor) -> torch.Tensor:
     """[N, K] weight of a CPU linear whose parameter was replaced by a packed kernel handle."""
@@ -211,17 +205,10 @@ class WeightSyncExtension:
         return len(bucket)
 
     def weight_sync_finish(self) -> int:
-        """Process the remaining layers, redo the expert repacking that vLLM's reload skips."""
+        """Process the remaining layers. (On CPU the experts' repacking, which vLLM's update path
+        skips, runs inside that processing: `device/vllm_cpu.py`.)"""
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-        model = self.model_runner.get_model()
-        finalize_layerwise_reload(model, self.vllm_config.model_config)
-        # vLLM's weight-update path leaves the experts' kernel-specific post-processing out (on CPU:
-        # the grouped-GEMM prepack), so the raw layout would sit in packed storage and outputs be
-        # silently wrong. Redo it for the expert layers this update wrote, and only those.
-        for name, layer in _expert_layers(model):
-            prefix = hf_module_name(name) + "."
-            if any(n.startswith(prefix) for n in self._weight_sync_names):
-                layer.quant_method.moe_kernel.fused_experts.process_weights_after_loading(layer)
+        finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
         self.model_runner.reset_encoder_cache()
         loaded, self._weight_sync_names = len(self._weight_sync_names), set()
         return loaded

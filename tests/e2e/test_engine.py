@@ -50,20 +50,27 @@ def _buckets(state_dict, size=5):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-@pytest.fixture(scope="module", params=["qwen3", "qwen3_moe"])
+# param -> (tiny model kind, overrides). qwen3_moe_i48: experts of intermediate size 48, which the
+# CPU kernel pads to 64 (vLLM's update path could not reload it before device/vllm_cpu.py), and
+# hidden 128 / dense FFN 256 / expert FFN 48 all differ, so no transpose can hide.
+SHAPES = {"qwen3": ("qwen3", {}), "qwen3_moe": ("qwen3_moe", {}),
+          "qwen3_moe_i48": ("qwen3_moe", dict(moe_intermediate_size=48))}
+
+
+@pytest.fixture(scope="module", params=sorted(SHAPES))
 def setup(request, tmp_path_factory):
     from dapo_megatron.assets.models import build_tiny_model
     from dapo_megatron.config.schema import RolloutConfig
     from dapo_megatron.rollout.engine import Engine
-    kind = request.param
-    root = tmp_path_factory.mktemp(kind)
-    paths = {name: build_tiny_model(kind, str(root / name), vocab_size=VOCAB, seed=seed)
+    kind, overrides = SHAPES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    paths = {name: build_tiny_model(kind, str(root / name), vocab_size=VOCAB, seed=seed, **overrides)
              for name, seed in (("A", 0), ("B", 1))}
     models = {name: _hf_model(p) for name, p in paths.items()}
     greedy = {name: hf_greedy(m, PROMPTS, NEW_TOKENS) for name, m in models.items()}
     assert greedy["A"] != greedy["B"], "A and B must differ for the push tests to mean anything"
     engine = Engine(paths["A"], RolloutConfig(enforce_eager=True, seed=0), dtype="fp32", max_model_len=1024)
-    yield dict(kind=kind, engine=engine, paths=paths, models=models, greedy=greedy,
+    yield dict(kind=request.param, engine=engine, paths=paths, models=models, greedy=greedy,
                state_dicts={n: _state_dict(p) for n, p in paths.items()})
     engine.shutdown()
 
@@ -108,15 +115,18 @@ def test_push_b_then_back_to_a(setup):
 def test_check_sync_catches_the_moe_repack_bug(setup, monkeypatch):
     """check_sync's comparison (engine log-probs vs HF on the pushed weights) must see the bug
     vLLM's reload path has on CPU: experts left unpacked after a push."""
-    from dapo_megatron.rollout import worker_ext
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
     from dapo_megatron.rollout.types import Sampling
     from dapo_megatron.tools.check_sync import DEFAULT_TOL, max_logprob_diff
     if setup["kind"] != "qwen3_moe":
-        pytest.skip("the repack bug concerns MoE experts")
+        pytest.skip("the repack bug concerns MoE experts (at intermediate 48 the unfixed push fails outright)")
     engine, sds, hf_b = setup["engine"], setup["state_dicts"], setup["models"]["B"]
     sampling = Sampling(n=2, temperature=1.0, max_tokens=8, seed=0)
     try:
-        monkeypatch.setattr(worker_ext, "_expert_layers", lambda model: iter(()))  # skip our repack fix
+        # vLLM's own update path, without our repack (device/vllm_cpu.py); the engine is in-process
+        monkeypatch.setattr(UnquantizedFusedMoEMethod, "_setup_kernel",
+                            UnquantizedFusedMoEMethod._dapo_original_setup_kernel)
         _push(engine, sds["B"])
         broken = max_logprob_diff(engine.generate(RECORDS, sampling), hf_b)
         monkeypatch.undo()

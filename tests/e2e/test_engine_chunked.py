@@ -16,18 +16,31 @@ VOCAB = 500
 
 
 def _generate(path: str, budget: int, batches: list[list[Prompt]], sampling) -> list:
+    """Each engine in its own Ray actor process, as the driver runs them (an in-process vLLM-CPU
+    engine binds this process's threads, which later engines of a test session would inherit)."""
+    import ray
+
     from dapo_megatron.config.schema import RolloutConfig
-    from dapo_megatron.rollout.engine import Engine
+    from dapo_megatron.rollout.actor import engine_actor
     cfg = RolloutConfig(enforce_eager=True, max_num_batched_tokens=budget, max_concurrent_per_engine=16,
                         enable_prefix_caching=False)
-    engine = Engine(path, cfg, dtype="fp32", max_model_len=512, device="cpu")
+    engine = engine_actor(path, cfg, dtype="fp32", max_model_len=512, device="cpu", num_cpus=1)
     try:
-        return [[g.responses for g in engine.generate(batch, sampling)] for batch in batches]
+        return [[g.responses for g in ray.get(engine.generate.remote(batch, sampling))] for batch in batches]
     finally:
-        engine.shutdown()
+        ray.get(engine.shutdown.remote())
+        ray.kill(engine)
 
 
-def test_chunked_prefill_keeps_seeded_responses(tmp_path):
+@pytest.fixture
+def local_ray():
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_chunked_prefill_keeps_seeded_responses(tmp_path, local_ray):
     from dapo_megatron.assets.models import build_tiny_model
     from dapo_megatron.rollout.types import Sampling
     path = build_tiny_model("qwen3_moe", str(tmp_path / "moe"), vocab_size=VOCAB, seed=0)
