@@ -35,12 +35,13 @@ class ScoredGroup:
     acc: torch.Tensor  # [n] bool
 
     def samples(self, group: int) -> Iterator[dict]:
-        """One `RolloutBatch.from_samples` row per response; `group`: this group's position in the step."""
+        """One `RolloutBatch.from_samples` row per response; `group`: this group's position in the step.
+        No `loss_mask`: every response token counts, the batch's default."""
         r = self.rollout
         for j, response in enumerate(r.responses):
             yield dict(prompts=r.prompt, responses=response, rollout_logprobs=r.rollout_logprobs[j],
-                       loss_mask=[1.0] * len(response), finish_reasons=r.finish_reasons[j], group=group,
-                       prompt_index=self.item.index, scores=float(self.scores[j]), acc=bool(self.acc[j]))
+                       finish_reasons=r.finish_reasons[j], group=group, prompt_index=self.item.index,
+                       scores=float(self.scores[j]), acc=bool(self.acc[j]))
 
 
 ScoreFn = Callable[[Sequence[PromptItem], Sequence[RolloutGroup]], list[Group[ScoredGroup]]]

@@ -231,7 +231,3 @@ class BroadcastTransport:
 
 TRANSPORTS = {"object_store": ObjectStoreTransport, "broadcast": BroadcastTransport}
 
-
-def make_transport(name: str, device):
-    """The transport named by `rollout.sync.transport` (validated against TRANSPORTS' keys)."""
-    return TRANSPORTS[name](device)
