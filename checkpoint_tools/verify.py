@@ -77,25 +77,27 @@ def _worker(hf_dir: str, ckpt: str | None, layout: dict, prompts: list) -> list:
     return [megatron_logits(chunks, p.unsqueeze(0)) for p in prompts]
 
 
-def _prompts(hf_dir: str, texts: list[str], tp: int) -> tuple[list[torch.Tensor], list[int]]:
-    """Token ids per prompt, right-padded to a multiple of TP (sequence parallel splits T)."""
+def _prompts(hf_dir: str, texts: list[str], tp: int, lengths: list[int] | None = None):
+    """Token ids per prompt, right-padded to a multiple of TP (sequence parallel splits T), and
+    their lengths. Random ids of `lengths` when given, or when there is no usable tokenizer."""
     from transformers import AutoConfig
-    vocab = AutoConfig.from_pretrained(hf_dir).vocab_size
+    vocab = AutoConfig.from_pretrained(hf_dir).get_text_config().vocab_size
     ids = []
-    if os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
+    if lengths is None and os.path.exists(os.path.join(hf_dir, "tokenizer.json")):
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(hf_dir)
         ids = [torch.tensor(tok(t)["input_ids"], dtype=torch.long) for t in texts]
     if not ids or any(len(i) == 0 or int(i.max()) >= vocab for i in ids):
-        g = torch.Generator().manual_seed(0)  # no usable tokenizer: fixed random ids stand in
-        ids = [torch.randint(0, vocab, (8 + 3 * i,), generator=g) for i in range(len(texts))]
+        g = torch.Generator().manual_seed(0)  # fixed random ids stand in for text
+        ids = [torch.randint(0, vocab, (n,), generator=g) for n in lengths or [8 + 3 * i for i in range(len(texts))]]
     lengths = [len(i) for i in ids]
     padded = [torch.cat([i, i.new_zeros((-len(i)) % tp)]) for i in ids]
     return padded, lengths
 
 
-def verify(hf_dir: str, layout: dict, texts: list[str], ckpt: str | None = None) -> list[float]:
-    """Max |Megatron - HF| logits per prompt."""
+def verify(hf_dir: str, layout: dict, texts: list[str], ckpt: str | None = None,
+           lengths: list[int] | None = None) -> list[float]:
+    """Max |Megatron - HF| logits per prompt (`texts`, or random ids of `lengths`)."""
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.convert import checked_layout, world_for_layout
@@ -105,7 +107,7 @@ def verify(hf_dir: str, layout: dict, texts: list[str], ckpt: str | None = None)
     layout = checked_layout(layout, ModelSpec.from_pretrained(hf_dir))
     if ckpt:
         check(ckpt)  # a damaged file is named here, not found as a logits difference
-    prompts, lengths = _prompts(hf_dir, texts, layout["tp"])
+    prompts, lengths = _prompts(hf_dir, texts, layout["tp"], lengths)
     per_rank = run_workers(_worker, world_for_layout(layout), hf_dir, ckpt, layout, prompts, timeout_s=1800)
     ours = next(r for r in per_rank if r[0] is not None)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -124,13 +126,15 @@ def main(argv=None) -> int:
     for name in ("tp", "pp", "ep", "etp"):
         p.add_argument(f"--{name}", type=int, default=1)
     p.add_argument("--prompt", action="append", default=None, help="repeatable; default: 3 built-in prompts")
+    p.add_argument("--random-prompts", type=int, nargs="+", default=None, metavar="LEN",
+                   help="random token ids of these lengths instead of text (no tokenizer needed)")
     p.add_argument("--tol", type=float, default=1e-4)
     args = p.parse_args(argv)
     from dapo_megatron.train.parallel import WorkerError
     from dapo_megatron.weights import CheckpointError
     layout = dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     try:
-        diffs = verify(args.hf_dir, layout, args.prompt or DEFAULT_PROMPTS, args.ckpt)
+        diffs = verify(args.hf_dir, layout, args.prompt or DEFAULT_PROMPTS, args.ckpt, args.random_prompts)
     except (WorkerError, CheckpointError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

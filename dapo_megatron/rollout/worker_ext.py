@@ -178,6 +178,20 @@ def _split_experts(hf_module: str, pname: str, t: torch.Tensor, moe):
             yield f"{hf_module}.{e}.down_proj.weight", cols, _along(cols, 1, rank, size)
 
 
+def _reprocess_tied(model) -> None:
+    """Run the post-load step again on every module whose weight is another module's (a tied
+    lm_head). vLLM's update path processes the modules that received tensors; a tied head receives
+    none (it is the embedding), so on CPU it kept a packed copy of the old weights and every logit
+    came from them, while the checksums, which read the embedding, agreed."""
+    owners: dict[int, list] = {}
+    for module in model.modules():
+        weight = module._parameters.get("weight")
+        if weight is not None and hasattr(getattr(module, "quant_method", None), "process_weights_after_loading"):
+            owners.setdefault(id(weight), []).append(module)
+    for module in (m for modules in owners.values() if len(modules) > 1 for m in modules):
+        module.quant_method.process_weights_after_loading(module)
+
+
 class WeightSyncExtension:
     """Mixed into vLLM's worker: a weight update is begin -> load (one call per bucket) -> finish;
     and `device_setup`, the device layer's per-worker set-up, called once the engine is built.
@@ -208,7 +222,9 @@ class WeightSyncExtension:
         """Process the remaining layers. (On CPU the experts' repacking, which vLLM's update path
         skips, runs inside that processing: `device/vllm_cpu.py`.)"""
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
-        finalize_layerwise_reload(self.model_runner.get_model(), self.vllm_config.model_config)
+        model = self.model_runner.get_model()
+        finalize_layerwise_reload(model, self.vllm_config.model_config)
+        _reprocess_tied(model)
         self.model_runner.reset_encoder_cache()
         loaded, self._weight_sync_names = len(self._weight_sync_names), set()
         return loaded

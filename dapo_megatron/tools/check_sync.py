@@ -1,7 +1,7 @@
 """Check the weight sync end to end: does the engine run the weights the trainer has?
 
     python -m dapo_megatron.tools.check_sync --hf-dir DIR [--tp N --pp N --ep N --etp N
-                                             --rollout-tp N --rollout-ep N --tol 1e-3]
+                                             --rollout-tp N --rollout-ep N --prompt-len N --tol 1e-3]
 
 Builds the actor from an HF checkpoint at the layout asked (Ray, the driver's own training ranks
 and engine), changes its weights by one optimizer step on random data, syncs them into a vLLM
@@ -23,6 +23,7 @@ import torch
 
 from dapo_megatron.config.validate import CHOICES
 
+RESPONSE_TOKENS = 16
 DEFAULT_TOL = 1e-3  # fp32; engine vs HF on the same weights measured ~1e-5 on tiny models
 
 
@@ -70,7 +71,7 @@ def sync_config(hf_dir: str, layout: dict, *, rollout_tp: int = 1, rollout_ep: i
         "data.max_prompt_length=32", "data.max_response_length=32", "actor.optim.lr=1e-2"])
 
 
-def start(cfg):
+def start(cfg, max_model_len: int = 128):
     """Ray, the training ranks (set up, weights loaded) and one engine, as the driver places them."""
     import ray
 
@@ -80,7 +81,7 @@ def start(cfg):
     spec = ModelSpec.from_pretrained(cfg.model.path)
     check_model(cfg, spec)
     init_ray(cfg)
-    placement = place(cfg, cfg.model.path, spec, max_model_len=128)
+    placement = place(cfg, cfg.model.path, spec, max_model_len=max_model_len)
     try:
         placement.train.setup(1)
         ray.get([e.num_in_flight.remote() for e in placement.engines])  # engines constructed and serving
@@ -115,7 +116,7 @@ def check_sync(hf_dir: str, args) -> dict:
     cfg = sync_config(hf_dir, dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp), rollout_tp=args.rollout_tp,
                       rollout_ep=args.rollout_ep, dtype=args.dtype, device=args.device, transport=args.transport)
     t0 = time.perf_counter()
-    placement = start(cfg)
+    placement = start(cfg, max_model_len=max(128, args.prompt_len + args.prompts + RESPONSE_TOKENS))
     out: dict = {"setup_s": time.perf_counter() - t0}
     try:
         train, engines = placement.train, placement.engines
@@ -135,9 +136,10 @@ def check_sync(hf_dir: str, args) -> dict:
                                        for k in after.keys())
             model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
             g = torch.Generator().manual_seed(1)
-            prompts = [Prompt(tuple(torch.randint(0, vocab, (5 + i,), generator=g).tolist()))
+            prompts = [Prompt(tuple(torch.randint(0, vocab, (args.prompt_len + i,), generator=g).tolist()))
                        for i in range(args.prompts)]
-            groups = ray.get(engines[0].generate.remote(prompts, Sampling(n=2, temperature=1.0, max_tokens=16, seed=0)))
+            sampling = Sampling(n=2, temperature=1.0, max_tokens=RESPONSE_TOKENS, seed=0)
+            groups = ray.get(engines[0].generate.remote(prompts, sampling))
             out["max_abs_logprob_diff"] = max_logprob_diff(groups, model)
     finally:
         release(placement)
@@ -156,6 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transport", default="object_store", choices=CHOICES["rollout.sync.transport"],
                    help="rollout.sync.transport: Ray object store, or a process group per sending rank")
     p.add_argument("--prompts", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=5, help="tokens of the first random prompt (+1 per prompt)")
     p.add_argument("--tol", type=float, default=DEFAULT_TOL)
     return p
 

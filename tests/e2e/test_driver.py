@@ -136,3 +136,50 @@ def test_sigterm_saves_and_exits_cleanly(tiny_assets, tmp_path):
     assert last < 50  # stopped early ...
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert latest == f"step_{last}"  # ... and saved the step it finished
+
+
+def _long_prompt_data(tiny_assets, out_dir) -> str:
+    """The tiny task's training rows, each with a system prompt of ~300 tokens that starts with
+    the row's own words (so no two prompts share a cached prefix): DAPO-Math-like lengths."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    rows = pq.read_table(tiny_assets / "data" / "train.parquet").to_pylist()
+    rule = ("Read the problem twice, write each step of the sum on its own line, check the carry, "
+            "and then give only the final number inside the box. ")
+    for i, row in enumerate(rows):
+        system = row["prompt"][0]
+        system["content"] = f"Problem {i} of {len(rows)}. " + rule * 4 + system["content"]
+    path = out_dir / "long_train.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return str(path)
+
+
+def test_real_length_prompts_chunked_prefill_changes_nothing(tiny_assets, tmp_path):
+    """The quickstart on ~300-token prompts: prefilled 256 tokens a step (every prompt is chunked),
+    the run gives exactly the metrics of a run whose steps prefill whole (budget above the step)."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from dapo_megatron.data.dataset import PromptDataset
+    from dapo_megatron.driver.loop import run
+    train = _long_prompt_data(tiny_assets, tmp_path)
+    data = PromptDataset([train], AutoTokenizer.from_pretrained(tiny_assets / "tokenizer"), prompt_key="prompt",
+                         max_prompt_length=400, truncation="error", skip_bad_rows=False)
+    lengths = [len(item.prompt.ids) for item in data]
+    assert 250 <= min(lengths) and max(lengths) <= 400, (min(lengths), max(lengths))
+    runs = {}
+    for budget in (256, 16384):  # 16384 > 24 responses x ~330 tokens: no step chunks
+        out = tmp_path / f"budget{budget}"
+        try:
+            assert run(_cfg(tiny_assets, out, steps=2, **{
+                "data.train_files": f"[{train}]", "data.max_prompt_length": 400,
+                "rollout.max_num_batched_tokens": budget, "trainer.save_freq": 100})) == 0
+        finally:
+            ray.shutdown()
+        runs[budget] = [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/")) and not k.endswith("_s")}
+                        for r in _rows(out)]  # all but the clocks
+    assert [r["step"] for r in runs[256]] == [1, 2]
+    for chunked, whole in zip(runs[256], runs[16384]):
+        differ = {k: (v, whole.get(k)) for k, v in chunked.items() if whole.get(k) != v}
+        assert not differ, f"step {chunked['step']}: chunked vs whole prefill {differ}"
+    assert runs[256][0]["response_length/mean"] > 0

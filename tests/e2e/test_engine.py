@@ -50,27 +50,31 @@ def _buckets(state_dict, size=5):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
 
-# param -> (tiny model kind, overrides). qwen3_moe_i48: experts of intermediate size 48, which the
-# CPU kernel pads to 64 (vLLM's update path could not reload it before device/vllm_cpu.py), and
-# hidden 128 / dense FFN 256 / expert FFN 48 all differ, so no transpose can hide.
-SHAPES = {"qwen3": ("qwen3", {}), "qwen3_moe": ("qwen3_moe", {}),
-          "qwen3_moe_i48": ("qwen3_moe", dict(moe_intermediate_size=48))}
+# The default tiny models, and two of assets.models.TEST_SHAPES: moe_i48 (experts of intermediate
+# size 48, which the CPU kernel pads to 64; vLLM's update path could not reload it before
+# device/vllm_cpu.py; hidden 128 / dense FFN 256 / expert FFN 48 all differ, so no transpose can
+# hide) and qwen25_like (tied embeddings: the engine's lm_head kept its old packed weights after a
+# push until worker_ext._reprocess_tied).
+SHAPES = ("qwen3", "qwen3_moe", "moe_i48", "qwen25_like")
 
 
-@pytest.fixture(scope="module", params=sorted(SHAPES))
+@pytest.fixture(scope="module", params=SHAPES)
 def setup(request, tmp_path_factory):
-    from dapo_megatron.assets.models import build_tiny_model
+    from dapo_megatron.assets.models import TEST_SHAPES, build_test_shape, build_tiny_model
     from dapo_megatron.config.schema import RolloutConfig
     from dapo_megatron.rollout.engine import Engine
-    kind, overrides = SHAPES[request.param]
-    root = tmp_path_factory.mktemp(request.param)
-    paths = {name: build_tiny_model(kind, str(root / name), vocab_size=VOCAB, seed=seed, **overrides)
-             for name, seed in (("A", 0), ("B", 1))}
+    root, shape = tmp_path_factory.mktemp(request.param), request.param
+    if shape in TEST_SHAPES:
+        assert TEST_SHAPES[shape][1] == VOCAB
+        paths = {name: build_test_shape(shape, str(root / name), seed=seed) for name, seed in (("A", 0), ("B", 1))}
+    else:
+        paths = {name: build_tiny_model(shape, str(root / name), vocab_size=VOCAB, seed=seed)
+                 for name, seed in (("A", 0), ("B", 1))}
     models = {name: _hf_model(p) for name, p in paths.items()}
     greedy = {name: hf_greedy(m, PROMPTS, NEW_TOKENS) for name, m in models.items()}
     assert greedy["A"] != greedy["B"], "A and B must differ for the push tests to mean anything"
     engine = Engine(paths["A"], RolloutConfig(enforce_eager=True, seed=0), dtype="fp32", max_model_len=1024)
-    yield dict(kind=request.param, engine=engine, paths=paths, models=models, greedy=greedy,
+    yield dict(shape=shape, engine=engine, paths=paths, models=models, greedy=greedy,
                state_dicts={n: _state_dict(p) for n, p in paths.items()})
     engine.shutdown()
 
@@ -119,7 +123,7 @@ def test_check_sync_catches_the_moe_repack_bug(setup, monkeypatch):
 
     from dapo_megatron.rollout.types import Sampling
     from dapo_megatron.tools.check_sync import DEFAULT_TOL, max_logprob_diff
-    if setup["kind"] != "qwen3_moe":
+    if setup["shape"] != "qwen3_moe":
         pytest.skip("the repack bug concerns MoE experts (at intermediate 48 the unfixed push fails outright)")
     engine, sds, hf_b = setup["engine"], setup["state_dicts"], setup["models"]["B"]
     sampling = Sampling(n=2, temperature=1.0, max_tokens=8, seed=0)

