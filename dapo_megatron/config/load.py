@@ -44,11 +44,62 @@ def _unknown_key_error(key: str) -> ConfigError:
     return ConfigError(key, f"unknown config key {key!r}{hint}")
 
 
+def hydra_appends(overrides: Iterable[str]) -> list[str]:
+    """Hydra's `+key=value` adds a key and fails on one that exists; verl scripts use it on keys
+    that exist in our schema, where it means `key=value`. Keys below a free-form dict
+    (`rollout.engine_kwargs.*`) are added or replaced (`++`) with or without the `+`."""
+    known, free = schema_keys(), tuple(d + "." for d in open_dicts())
+    out = []
+    for item in overrides:
+        bare = item.lstrip("+")
+        key = bare.partition("=")[0]
+        if key.startswith(free):
+            out.append("++" + bare)
+        elif item.startswith("+") and not item.startswith("++") and key in known:
+            out.append(bare)
+        else:
+            out.append(item)
+    return out
+
+
+def _keys_of_type(kinds: tuple[str, ...], cls=DapoConfig, prefix: str = "") -> list[str]:
+    out = []
+    for f in dataclasses.fields(cls):
+        if str(f.type).startswith(kinds):
+            out.append(prefix + f.name)
+        elif callable(f.default_factory) and dataclasses.is_dataclass(f.default_factory):
+            out += _keys_of_type(kinds, f.default_factory, prefix + f.name + ".")
+    return out
+
+
+def list_keys() -> list[str]:
+    """Keys of the schema's lists (`data.train_files`)."""
+    return _keys_of_type(("List", "list"))
+
+
+def scalar_lists(overrides: Iterable[str]) -> list[str]:
+    """`data.train_files=a.parquet` means a list of one file, as in verl (its loaders take both)."""
+    lists = set(list_keys())
+    out = []
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        v = value.strip()
+        wrap = eq and key.lstrip("+~") in lists and v and not v.startswith("[") and v.lower() not in ("null", "none")
+        quoted = v if v[:1] in "'\"" else "'" + v + "'"  # quoted: `${oc.env:X}/a` is one string
+        out.append(f"{key}=[{quoted}]" if wrap else item)
+    return out
+
+
+def open_dicts() -> list[str]:
+    """Keys of the schema's free-form dicts (`rollout.engine_kwargs`): any key below them is valid."""
+    return _keys_of_type(("Dict", "dict"))
+
+
 def check_override_keys(overrides: Iterable[str]) -> None:
-    known = schema_keys()
+    known, free = schema_keys(), tuple(d + "." for d in open_dicts())
     for item in overrides:
         key = item.lstrip("+~").partition("=")[0]
-        if key not in known:
+        if key not in known and not key.startswith(free):
             raise _unknown_key_error(key)
 
 
@@ -87,7 +138,7 @@ def load_config(config_name: str = "dapo", overrides: Iterable[str] = (), *, che
                 config_dir: Path | str = CONFIG_DIR) -> DapoConfig:
     """YAML `configs/<config_name>.yaml` + overrides (ours or verl-style) -> a validated DapoConfig."""
     from omegaconf import OmegaConf
-    overrides = translate_overrides(list(overrides))
+    overrides = scalar_lists(hydra_appends(translate_overrides(list(overrides))))
     check_override_keys(overrides)
     cfg = _compose(config_name, overrides, Path(config_dir))
     try:

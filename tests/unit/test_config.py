@@ -8,7 +8,7 @@ import warnings
 import pytest
 
 from dapo_megatron.config import ConfigError, available_configs, load_config, schema_keys
-from dapo_megatron.config.verl_compat import VERL_TO_OURS, translate_overrides
+from dapo_megatron.config.verl_compat import RENAMES, translate_overrides
 from dapo_megatron.models import ModelSpec
 
 QWEN3_30B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_attention_heads=32,
@@ -51,7 +51,7 @@ def test_verl_overrides_translate_to_our_keys():
 
 def test_every_verl_mapping_targets_a_real_key():
     known = schema_keys()
-    assert not [ours for ours in VERL_TO_OURS.values() if ours not in known]
+    assert not [ours for ours in RENAMES.values() if ours not in known]
 
 
 def test_verl_performance_key_warns_and_unknown_verl_key_errors():

@@ -1,0 +1,180 @@
+"""verl DAPO keys, one test per class: each resolves to our config as the table says (the value
+keeps its meaning), is ignored with one warning, or is refused with what to do instead."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+
+from dapo_megatron.config import ConfigError, load_config
+from dapo_megatron.config.load import schema_keys
+from dapo_megatron.config.verl_compat import FIXED_VALUES, RENAMES, resolve
+
+
+def _cfg(*overrides):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return load_config("quickstart", list(overrides))
+
+
+def _get(cfg, dotted):
+    for part in dotted.split("."):
+        cfg = getattr(cfg, part)
+    return cfg
+
+
+# (verl overrides, our key, expected value): the value keeps its meaning.
+TRANSLATED = [
+    (["custom_reward_function.overlong_buffer.enable=True", "custom_reward_function.overlong_buffer.len=4",
+      "custom_reward_function.overlong_buffer.penalty_factor=0.5"], "reward.overlong_buffer.penalty_factor", 0.5),
+    (["reward_model.overlong_buffer.enable=True", "reward_model.overlong_buffer.len=4"], "reward.overlong_buffer.len", 4),
+    (["actor_rollout_ref.actor.use_token_level_loss=True"], "actor.loss_agg_mode", "token-mean"),
+    (["actor_rollout_ref.actor.use_token_level_loss=False"], "actor.loss_agg_mode", "seq-mean-token-mean"),
+    (["actor_rollout_ref.rollout.val_kwargs.do_sample=False", "actor_rollout_ref.rollout.val_kwargs.temperature=1.0"],
+     "rollout.val_kwargs.temperature", 0.0),  # greedy, whatever the order
+    (["actor_rollout_ref.rollout.val_kwargs.do_sample=True", "actor_rollout_ref.rollout.val_kwargs.temperature=0.7"],
+     "rollout.val_kwargs.temperature", 0.7),
+    (["trainer.logger=console"], "trainer.logger", ["console"]),
+    (["trainer.logger=['console','wandb']"], "trainer.logger", ["console", "wandb"]),
+    (["+trainer.val_before_train=False"], "trainer.val_before_train", False),
+    (["data.truncation=left", "data.filter_overlong_prompts=True"], "data.truncation", "filter"),
+    (["data.filter_overlong_prompts=False", "data.truncation=right"], "data.truncation", "right"),
+    (["+actor_rollout_ref.rollout.engine_kwargs.vllm.disable_mm_preprocessor_cache=True"],
+     "rollout.engine_kwargs", {"disable_mm_preprocessor_cache": True}),
+    (["actor_rollout_ref.actor.megatron.param_offload=True"], "actor.offload", True),
+    (["actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full"],
+     "actor.recompute_granularity", "full"),
+    (["actor_rollout_ref.actor.megatron.dist_checkpointing_path=/ckpt"], "model.load_checkpoint", "/ckpt"),
+    (["actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=1",
+      "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2", "actor_rollout_ref.ref.megatron.expert_model_parallel_size=1"],
+     "actor.parallel.tp", 2),
+    (["actor_rollout_ref.rollout.max_num_seqs=32"], "rollout.max_concurrent_per_engine", 32),
+    (["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt/global_step_5"], "trainer.resume_mode",
+     "/ckpt/global_step_5"),
+    # The overlong buffer's later homes (2025: reward_kwargs.overlong_buffer_cfg; 2026: the reward.* namespace).
+    (["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True", "+reward_model.reward_kwargs.overlong_buffer_cfg.len=6",
+      "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.3"], "reward.overlong_buffer.penalty_factor", 0.3),
+    (["reward.reward_kwargs.overlong_buffer_cfg.enable=True", "reward.reward_kwargs.overlong_buffer_cfg.len=7"],
+     "reward.overlong_buffer.len", 7),
+    (["actor_rollout_ref.actor.megatron.grad_offload=True"], "actor.offload", True),
+    (["actor_rollout_ref.actor.megatron.dtype=float16"], "model.dtype", "fp16"),
+    (["actor_rollout_ref.rollout.dtype=bfloat16"], "model.dtype", "bf16"),
+    (["actor_rollout_ref.nccl_timeout=7200"], "trainer.dist_timeout_s", 7200),
+    (["actor_rollout_ref.model.enable_gradient_checkpointing=True"], "actor.recompute_granularity", "full"),
+    (["+actor_rollout_ref.actor.megatron.override_transformer_config.context_parallel_size=1"], "actor.parallel.cp", 1),
+    (["+actor_rollout_ref.model.override_config.max_position_embeddings=32768"], "rollout.engine_kwargs",
+     {"hf_overrides": {"max_position_embeddings": 32768}}),
+    (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0"],
+     "actor.tis_cap", 2.0),
+    (["data.train_files=/data/a.parquet"], "data.train_files", ["/data/a.parquet"]),  # verl takes one file bare
+]
+
+
+@pytest.mark.parametrize("overrides,key,value", TRANSLATED, ids=[t[0][0].split("=")[0] + "=" + t[0][0].split("=")[1][:12]
+                                                                  for t in TRANSLATED])
+def test_translated(overrides, key, value):
+    assert _get(_cfg(*overrides), key) == value
+
+
+ACCEPTED = ["algorithm.use_kl_in_reward=False", "reward_model.reward_manager=dapo", "algorithm.adv_estimator=grpo",
+            "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.model.override_config.attention_dropout=0.",
+            "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=1",
+            "reward.reward_manager.name=dapo", "actor_rollout_ref.model.override_config.resid_pdrop=0.",
+            "algorithm.filter_groups.fill_to_train_bsz=True", "actor_rollout_ref.model.lora_rank=0"]
+
+
+# A verl key that repeats another one: accepted when the two agree, refused (naming both) when not.
+SAME_AS_CASES = [
+    (["data.max_response_length=64", "+reward_model.reward_kwargs.max_resp_len=64"], None),
+    (["data.max_response_length=64", "reward.reward_kwargs.max_resp_len=32"], "data.max_response_length=64"),
+    (["actor_rollout_ref.actor.megatron.dist_checkpointing_path=/a", "actor_rollout_ref.ref.megatron.dist_checkpointing_path=/a"], None),
+    (["actor_rollout_ref.actor.megatron.dist_checkpointing_path=/a", "actor_rollout_ref.ref.megatron.dist_checkpointing_path=/b"],
+     "model.load_checkpoint"),
+]
+
+
+@pytest.mark.parametrize("overrides,refusal", SAME_AS_CASES, ids=["max_resp_len-same", "max_resp_len-differs",
+                                                                  "ref-ckpt-same", "ref-ckpt-differs"])
+def test_repeated_setting_must_agree(overrides, refusal):
+    second = resolve(overrides)[1]
+    if refusal is None:
+        assert second.action == "accepted" and second.ours == (), second
+        assert _cfg(*overrides) == _cfg(overrides[0])
+    else:
+        with pytest.raises(ConfigError) as err:
+            _cfg(*overrides)
+        assert err.value.key == overrides[1].lstrip("+").split("=")[0] and refusal in str(err.value), str(err.value)
+
+
+@pytest.mark.parametrize("item", ACCEPTED)
+def test_accepted_value_is_our_behaviour(item):
+    (o,) = resolve([item])
+    assert o.action == "accepted" and o.ours == (), o
+    assert _cfg(item) == _cfg()
+
+
+def test_kl_in_reward_with_zero_coefficient_is_accepted():
+    both = ["algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.kl_coef=0.0"]
+    assert {o.key: o.action for o in resolve(both)} == {"algorithm.use_kl_in_reward": "accepted",
+                                                         "algorithm.kl_ctrl.kl_coef": "ignored"}
+    assert _cfg(*both) == _cfg()
+
+
+def test_fsdp_strategy_trains_with_megatron_and_says_so():
+    with pytest.warns(UserWarning, match="Megatron actor.*actor.parallel"):
+        cfg = load_config("quickstart", ["actor_rollout_ref.actor.strategy=fsdp2", "actor_rollout_ref.ref.strategy=fsdp2"])
+    assert cfg.actor.parallel.ep == 2  # the config's own layout
+
+
+IGNORED = ["actor_rollout_ref.actor.fsdp_config.param_offload=True", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.use_remove_padding=True",
+           "actor_rollout_ref.rollout.enable_chunked_prefill=True", "critic.strategy=fsdp2", "critic.optim.lr=1e-5",
+           "algorithm.kl_ctrl.kl_coef=0.001", "trainer.balance_batch=True", "reward_model.model.path=/rm",
+           "actor_rollout_ref.actor.megatron.use_dist_checkpointing=True",
+           "+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True",
+           "actor_rollout_ref.actor.megatron.vanilla_mbridge=False",
+           "+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True",
+           "actor_rollout_ref.rollout.max_model_len=22528", "++transfer_queue.enable=True",
+           "+data.min_response_length=4096", "trainer.log_val_generations=10",
+           "algorithm.rollout_correction.rollout_is_threshold=2.0"]  # no effect without rollout_is
+
+
+@pytest.mark.parametrize("item", IGNORED)
+def test_ignored_with_one_warning(item):
+    with pytest.warns(UserWarning, match=item.lstrip("+").split("=")[0].replace(".", r"\.")) as record:
+        cfg = load_config("quickstart", [item])
+    assert len([w for w in record if "ignored" in str(w.message)]) == 1
+    assert cfg == _cfg()
+
+
+# (override, words the message must hold: what to do instead)
+REFUSED = [
+    (["algorithm.adv_estimator=gae"], "grpo"),
+    (["reward_model.enable=True"], "reward.custom_fn"),
+    (["algorithm.use_kl_in_reward=True", "algorithm.kl_ctrl.kl_coef=0.001"], "actor.use_kl_loss"),
+    (["reward_model.reward_manager=prime"], "reward.custom_fn"),
+    (["actor_rollout_ref.actor.strategy=deepspeed"], "megatron"),
+    (["actor_rollout_ref.model.override_config.rope_scaling=linear"], "config.json"),
+    (["actor_rollout_ref.actor.use_fancy_thing=true"], "no dapo-megatron equivalent"),
+    (["+actor_rollout_ref.actor.megatron.override_transformer_config.fp8=e4m3"], "bf16"),
+    (["+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=3"],
+     "actor.parallel.pp"),
+    (["algorithm.rollout_correction.rollout_is=sequence"], "actor.tis_cap"),
+    (["algorithm.rollout_correction.rollout_rs=geometric"], "actor.tis_cap"),
+    (["actor_rollout_ref.model.lora_rank=8"], "LoRA"),
+    (["+reward_model.reward_kwargs.format_score=0.1"], "no dapo-megatron equivalent"),
+    (["actor_rollout_ref.actor.megatron.dtype=int8"], "bfloat16"),
+]
+
+
+@pytest.mark.parametrize("overrides,instead", REFUSED, ids=[r[0][0] for r in REFUSED])
+def test_refused_says_what_to_do_instead(overrides, instead):
+    with pytest.raises(ConfigError) as err:
+        _cfg(*overrides)
+    assert err.value.key == overrides[0].lstrip("+").split("=")[0] and instead in str(err.value), str(err.value)
+
+
+def test_every_table_entry_targets_a_real_key_or_is_verl_only():
+    known = schema_keys()
+    assert not [ours for ours in RENAMES.values() if ours not in known]
+    assert not [k for k in FIXED_VALUES if k in known and k != "algorithm.adv_estimator"]
