@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
+import warnings
 from typing import Optional, Sequence
 
 from dapo_megatron.config import ConfigError, DapoConfig, check_path, load_config
+from dapo_megatron.logs import LOGS
 
 EXIT_BAD_INPUT = 2
 
@@ -54,8 +57,13 @@ def missing_modules() -> list[str]:
     return [hint for mod, hint in REQUIRED_MODULES.items() if importlib.util.find_spec(mod.split(".")[0]) is None]
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    return f"warning: {message}\n"  # ours name the key; the source line says nothing to a user
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
+    warnings.formatwarning = _one_line_warning
     try:
         cfg = load_config(args.config_name, args.overrides)
         check_inputs(cfg)
@@ -71,14 +79,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print("error: this Python lacks " + "; ".join(missing) + ". Run `bash launch/setup_env.sh`.",
               file=sys.stderr)
         return EXIT_BAD_INPUT
+    from dapo_megatron.data.dataset import DataError
     from dapo_megatron.driver.loop import run
     from dapo_megatron.weights.hf_io import CheckpointError
     try:
         return run(cfg)
-    # The model does not fit the config, or the checkpoint to resume from is damaged: one line.
-    except (ConfigError, CheckpointError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    # Bad input found once the run reads it (model, data, reward function, a checkpoint to resume
+    # from): one line. A remote actor's error carries its traceback; its cause is the message.
+    except (ConfigError, CheckpointError, DataError) as exc:
+        print(f"error: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except BaseException:
+        # The traceback names the failing role; what its libraries printed is in the run folder.
+        print(f"library output of the training ranks and engines: {os.path.join(cfg.trainer.default_local_dir, LOGS)}/",
+              file=sys.stderr)
+        raise
 
 
 if __name__ == "__main__":

@@ -57,8 +57,8 @@ class MetricsLogger:
         if "jsonl" in self.loggers:
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps({"step": step, **values}) + "\n")
-        if "console" in self.loggers:
-            shown = " ".join(f"{k}={values[k]:.4g}" for k in CONSOLE_KEYS if k in values)
+        shown = " ".join(f"{k}={values[k]:.4g}" for k in CONSOLE_KEYS if k in values)
+        if "console" in self.loggers and shown:  # nothing to show (no validation set at step 0): no line
             print(f"step {step}: {shown}", flush=True)
         if self._tb is not None:
             for k, v in values.items():

@@ -7,6 +7,7 @@ An engine takes the bundle of its first device; vLLM starts its own TP workers o
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from dapo_megatron.config import DapoConfig, num_engines, role_devices
 from dapo_megatron.device import get_device
 from dapo_megatron.driver.workers import TrainGroup, TrainWorker
+from dapo_megatron.logs import log_file
 from dapo_megatron.models import ModelSpec
 
 SHARE = 0.5  # fraction of a colocated device each role asks Ray for
@@ -39,7 +41,8 @@ def init_ray(cfg: DapoConfig) -> None:
         ray.init(address=address, log_to_driver=True)
     else:
         cpus = max(os.cpu_count() or 1, cfg.trainer.n_gpus_per_node)
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True)
+        # WARNING: Ray's own start-up INFO lines are not for the console.
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
 
 
 def _options(device, pg, bundle: int, share: float) -> dict:
@@ -58,13 +61,15 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int)
     ray.get(pg.ready(), timeout=300)
     share = SHARE if colocated else 1.0
     world = devices["actor"]
-    workers = [ray.remote(TrainWorker).options(**_options(device, pg, i, share)).remote(cfg, model_path, spec, i, world)
-               for i in range(world)]
+    run_dir = cfg.trainer.default_local_dir
+    workers = [ray.remote(TrainWorker).options(**_options(device, pg, i, share)).remote(
+        cfg, model_path, spec, i, world, log_file(run_dir, f"train-rank{i}")) for i in range(world)]
     first = 0 if colocated else devices["actor"]
     tp = cfg.rollout.parallel.tp
     engines = []
     for j in range(num_engines(cfg)):
         engines.append(engine_actor(model_path, cfg.rollout, dtype=cfg.model.dtype, max_model_len=max_model_len,
                                     device=device.kind, name=f"{ENGINE_NAME}-{j}",
+                                    log_path=log_file(run_dir, f"engine-{j}"),
                                     **_options(device, pg, first + j * tp, share)))
     return Placement(TrainGroup(workers), engines, pg)

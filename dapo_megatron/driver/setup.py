@@ -18,6 +18,7 @@ from dapo_megatron.models import ModelSpec
 from dapo_megatron.weights.checksum import checksum_mismatches
 from dapo_megatron.rollout.types import Sampling
 from dapo_megatron.weights.hf_io import CheckpointError
+from dapo_megatron.weights.load import check_hf_checkpoint
 
 
 @dataclass
@@ -70,22 +71,35 @@ def prepare(cfg: DapoConfig) -> Context:
         spec = ModelSpec.from_pretrained(model_path)
         spec.arch  # noqa: B018  (an unsupported model_type fails here, naming the supported ones)
     except (OSError, ValueError) as exc:
-        raise ConfigError("model.path", f"model.path: cannot read the model's config.json: {exc}") from None
+        raise ConfigError("model.path", f"model.path {model_path}: {str(exc).splitlines()[0]}") from None
     check_model(cfg, spec)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_asset_path(cfg.model.tokenizer_path or cfg.model.path))
+    # Every input is read here, before Ray starts: a bad one is one line from main, not a
+    # traceback from a remote actor minutes later.
+    if not cfg.model.load_checkpoint:
+        check_hf_checkpoint(model_path, spec)  # headers only: names, shapes, readable files
+    tokenizer_key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
+    tokenizer_dir = resolve_asset_path(cfg.model.tokenizer_path or cfg.model.path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(tokenizer_key, f"{tokenizer_key} {tokenizer_dir}: cannot load a tokenizer: "
+                                         f"{str(exc).splitlines()[0]}") from None
+    if not getattr(tokenizer, "chat_template", None):  # rows are chat messages: every one would fail
+        raise ConfigError(tokenizer_key, f"{tokenizer_key} {tokenizer_dir}: the tokenizer has no chat template "
+                                         f"(chat_template.jinja or tokenizer_config.json's chat_template)")
     data = _resolved(cfg.data)
     train_data = PromptDataset.from_config(data, tokenizer, "train")
     val_data = PromptDataset.from_config(data, tokenizer, "val") if data.val_files else None
     total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * max(
         1, len(train_data) // cfg.data.train_batch_size)
+    reward = RewardManager(cfg.reward, cfg.data.max_response_length)  # imports reward.custom_fn
     init_ray(cfg)
     placement = place(cfg, model_path, spec, cfg.data.max_prompt_length + cfg.data.max_response_length)
     as_role("actor", placement.train.setup, total)
     stops = tuple(t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
                   if isinstance(t, int) and t >= 0)
-    return Context(cfg, model_path, spec, tokenizer, train_data, val_data, placement,
-                   RewardManager(cfg.reward, cfg.data.max_response_length), cfg.trainer.default_local_dir,
-                   total, stops)
+    return Context(cfg, model_path, spec, tokenizer, train_data, val_data, placement, reward,
+                   cfg.trainer.default_local_dir, total, stops)
 
 
 def verify_due(cfg: DapoConfig, syncs: int) -> bool:

@@ -15,6 +15,7 @@ import ray
 
 from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.config.schema import DapoConfig
+from dapo_megatron.logs import redirect_output
 from dapo_megatron.models import ModelSpec
 from dapo_megatron.train.logprobs import Rows, assemble
 from dapo_megatron.train.parallel import free_port
@@ -22,7 +23,9 @@ from dapo_megatron.weights.transport import TRANSPORTS
 
 
 class TrainWorker:
-    def __init__(self, cfg: DapoConfig, model_path: str, spec: ModelSpec, rank: int, world_size: int):
+    def __init__(self, cfg: DapoConfig, model_path: str, spec: ModelSpec, rank: int, world_size: int,
+                 log_path: Optional[str] = None):
+        redirect_output(log_path)  # before Megatron and torch.distributed print anything
         self.cfg, self.model_path, self.spec, self.rank, self.world_size = cfg, model_path, spec, rank, world_size
         self.actor = self.ref = self.transport = None
         self.sync_plan = None  # what this rank sends per weight sync, fixed by the first one
@@ -40,7 +43,8 @@ class TrainWorker:
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.rank % self.cfg.trainer.n_gpus_per_node))
         device = get_device(self.cfg.trainer.device)
         device.setup_process(self.cfg.trainer.n_gpus_per_node)
-        info = init_parallel(self.cfg.actor.parallel, device, seed=self.cfg.trainer.seed)
+        info = init_parallel(self.cfg.actor.parallel, device, seed=self.cfg.trainer.seed,
+                             timeout_s=self.cfg.trainer.dist_timeout_s)
         c = self.cfg
         self.transport = TRANSPORTS[c.rollout.sync.transport](device)
         self.actor = Actor(c.actor, self.model_path, spec=self.spec, n=c.rollout.n, total_steps=total_steps,

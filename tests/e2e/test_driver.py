@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 
@@ -183,3 +184,30 @@ def test_real_length_prompts_chunked_prefill_changes_nothing(tiny_assets, tmp_pa
         differ = {k: (v, whole.get(k)) for k, v in chunked.items() if whole.get(k) != v}
         assert not differ, f"step {chunked['step']}: chunked vs whole prefill {differ}"
     assert runs[256][0]["response_length/mean"] > 0
+
+
+# Our console lines: a step's metrics, checkpoints, the resume notice, our warnings.
+_OURS = re.compile(r"^(step \d+: |saved |resumed from |warning: )")
+# Library output that belongs in the run's log files, never on the console.
+_LIBRARY = ("RotaryEmbedding", "reset prefix cache", "FutureWarning", "UserWarning", " INFO ", "Apex")
+
+
+def test_console_is_one_line_per_step_and_library_output_goes_to_the_log_files(tiny_assets, tmp_path):
+    """The run as a user starts it (a process of its own): stdout holds our lines only, one per
+    step; vLLM's per-sync notices and torch / Megatron warnings land in <run dir>/logs/."""
+    import subprocess
+    import sys
+    out = tmp_path / "run"
+    args = _overrides(tiny_assets, out, steps=2, **{"trainer.save_freq": 100})
+    proc = subprocess.run([sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart", *args],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert [line.split(":")[0] for line in lines if line.startswith("step ")] == ["step 1", "step 2"], lines
+    assert all(_OURS.match(line) for line in lines), [line for line in lines if not _OURS.match(line)]
+    console = proc.stdout + proc.stderr
+    assert not [s for s in _LIBRARY if s in console], console[-3000:]
+    assert len(proc.stderr.splitlines()) <= 3, proc.stderr  # Ray's own notices at most
+    engine_log = (out / "logs" / "engine-0.log").read_text()
+    assert "reset prefix cache" in engine_log and "RotaryEmbedding" in engine_log  # one per weight sync
+    assert (out / "logs" / "train-rank0.log").stat().st_size > 0 and (out / "logs" / "train-rank1.log").exists()

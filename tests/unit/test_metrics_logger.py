@@ -9,14 +9,15 @@ from dapo_megatron.driver.metrics import MetricsLogger
 
 def test_jsonl_console_tensorboard_and_png(tmp_path, capsys):
     log = MetricsLogger(str(tmp_path), ["console", "jsonl", "tensorboard"])
+    log.log(0, {})  # step 0 without a validation set: a jsonl row, no empty console line
     for step in range(1, 4):
         log.log(step, {"reward/mean": 0.1 * step, "acc/mean": 0.5, "timing/step": 1.5, "text": "skip me",
                        "bad": float("nan")})
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [1, 2, 3]
-    assert rows[2]["reward/mean"] == pytest.approx(0.3) and "text" not in rows[0] and "bad" not in rows[0]
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[3]["reward/mean"] == pytest.approx(0.3) and "text" not in rows[1] and "bad" not in rows[1]
     out = capsys.readouterr().out.strip().splitlines()
-    assert out[0].startswith("step 1:") and "reward/mean=0.1" in out[0]
+    assert len(out) == 3 and out[0].startswith("step 1:") and "reward/mean=0.1" in out[0]
     png = log.plot()
     log.close()
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
