@@ -59,6 +59,7 @@ RENAMES: dict[str, str] = {
     _RO + "expert_parallel_size": "rollout.parallel.ep",
     _RO + "max_num_seqs": "rollout.max_concurrent_per_engine",
     _RO + "update_weights_bucket_megabytes": "rollout.sync.bucket_mb",
+    _RO + "checkpoint_engine.update_weights_bucket_megabytes": "rollout.sync.bucket_mb",
     **{_RO + "val_kwargs." + k: "rollout.val_kwargs." + k for k in ("n", "temperature", "top_p", "top_k")},
     # The overlong buffer's four homes over the recipe's history: custom_reward_function (early
     # 2025), reward_model, reward_model.reward_kwargs.overlong_buffer_cfg, reward.reward_kwargs (2026).
@@ -193,6 +194,10 @@ FIXED_VALUES: dict[str, tuple[str, str]] = {
     _RO + "mode": ("async", "requests are always streamed to the engines"),
     _RO + "calculate_log_probs": ("true", "the engines always return rollout_logprobs"),
     _RO + "ignore_eos": ("false", "responses end at the end-of-sequence token"),
+    _RO + "data_parallel_size": ("1", "each engine is one replica (rollout.parallel.tp x ep devices); more "
+                                      "replicas are more engines (rollout.num_engines)"),
+    "algorithm.filter_groups.drop_last_mini_batch": ("true", "dynamic sampling fills data.train_batch_size, so "
+                                                             "no mini-batch is partial"),
     _OTC + "recompute_method": ("uniform", "actor.recompute_granularity=full recomputes every layer uniformly"),
     _OTC + "recompute_num_layers": ("1", "actor.recompute_granularity=full recomputes one layer per checkpoint"),
     **{_M + "override_config." + k: _NO_DROPOUT for k in (

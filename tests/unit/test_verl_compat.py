@@ -49,6 +49,7 @@ TRANSLATED = [
       "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=2", "actor_rollout_ref.ref.megatron.expert_model_parallel_size=1"],
      "actor.parallel.tp", 2),
     (["actor_rollout_ref.rollout.max_num_seqs=32"], "rollout.max_concurrent_per_engine", 32),
+    (["actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes=512"], "rollout.sync.bucket_mb", 512),
     (["trainer.resume_mode=resume_path", "trainer.resume_from_path=/ckpt/global_step_5"], "trainer.resume_mode",
      "/ckpt/global_step_5"),
     # The overlong buffer's later homes (2025: reward_kwargs.overlong_buffer_cfg; 2026: the reward.* namespace).
@@ -80,7 +81,8 @@ ACCEPTED = ["algorithm.use_kl_in_reward=False", "reward_model.reward_manager=dap
             "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.model.override_config.attention_dropout=0.",
             "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=1",
             "reward.reward_manager.name=dapo", "actor_rollout_ref.model.override_config.resid_pdrop=0.",
-            "algorithm.filter_groups.fill_to_train_bsz=True", "actor_rollout_ref.model.lora_rank=0"]
+            "algorithm.filter_groups.fill_to_train_bsz=True", "actor_rollout_ref.model.lora_rank=0",
+            "actor_rollout_ref.rollout.data_parallel_size=1", "algorithm.filter_groups.drop_last_mini_batch=True"]
 
 
 # A verl key that repeats another one: accepted when the two agree, refused (naming both) when not.
@@ -178,3 +180,23 @@ def test_every_table_entry_targets_a_real_key_or_is_verl_only():
     known = schema_keys()
     assert not [ours for ours in RENAMES.values() if ours not in known]
     assert not [k for k in FIXED_VALUES if k in known and k != "algorithm.adv_estimator"]
+
+
+def _keys_md() -> list[str]:
+    """The key column of tests/data/verl/KEYS.md: every key of 40 verl DAPO scripts and docs."""
+    import re
+    from pathlib import Path
+    text = (Path(__file__).parents[1] / "data" / "verl" / "KEYS.md").read_text()
+    keys = {m.group(1) for m in re.finditer(r"^\| `([a-z_]+(?:\.[A-Za-z0-9_]+)+)`", text, re.M)}
+    assert len(keys) > 200, len(keys)
+    return sorted(keys)
+
+
+def test_every_key_of_the_recipe_scripts_has_a_rule():
+    """No key of verl's DAPO scripts falls through to the generic refusal: each one is ours or in a
+    table (translated, accepted, ignored, or refused with its own reason)."""
+    from dapo_megatron.config.load import schema_keys
+    known = schema_keys()
+    unruled = [k for k in _keys_md() if k not in known
+               and "has no dapo-megatron equivalent" in (resolve([f"{k}=1"])[0].reason or "")]
+    assert not unruled, unruled
