@@ -63,7 +63,6 @@ def _one_line_warning(message, category, filename, lineno, line=None) -> str:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = parse_args(argv)
-    warnings.formatwarning = _one_line_warning
     try:
         cfg = load_config(args.config_name, args.overrides)
         check_inputs(cfg)
@@ -97,4 +96,5 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
+    warnings.formatwarning = _one_line_warning  # the command's console; callers of main() keep theirs
     sys.exit(main())
