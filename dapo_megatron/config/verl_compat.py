@@ -275,6 +275,7 @@ class Outcome:
     action: str  # translated | accepted | ignored | refused | ours (already our key)
     ours: tuple[str, ...] = ()  # the overrides it became
     reason: str = ""
+    warn: bool = False  # say it on the console (every ignored key; an accepted value that reads otherwise)
 
 
 def _first(table: list[tuple[re.Pattern, str]], key: str) -> str | None:
@@ -299,7 +300,7 @@ def _resolve_one(key: str, value: str) -> Outcome:
         except ValueError as exc:
             return Outcome(key, value, "refused", reason=str(exc))
         if key.endswith(".strategy"):
-            return Outcome(key, value, "accepted", reason=STRATEGY_NOTE)
+            return Outcome(key, value, "accepted", reason=STRATEGY_NOTE, warn=bare != "megatron")
         return Outcome(key, value, "translated", mapped)
     if key in FIXED_VALUES:
         ours, instead = FIXED_VALUES[key]
@@ -310,7 +311,7 @@ def _resolve_one(key: str, value: str) -> Outcome:
     if (why := _first(UNSUPPORTED, key)) is not None:
         return Outcome(key, value, "refused", reason=f"{key}: {why}")
     if (why := _first(IGNORED, key)) is not None:
-        return Outcome(key, value, "ignored", reason=why)
+        return Outcome(key, value, "ignored", reason=why, warn=True)
     return Outcome(key, value, "refused", reason=f"verl option {key} has no dapo-megatron equivalent; remove it "
                                                  f"(the translated keys: dapo_megatron/config/verl_compat.py)")
 
@@ -323,60 +324,60 @@ def _number(text: str):
 
 
 def resolve(overrides: list[str]) -> list[Outcome]:
-    """The outcome of every override (ours pass as `ours`), then the rules that span keys."""
-    out, values = [], {}
+    """The outcome of every override (ours pass as `ours`); some keys depend on another's value."""
+    items = []
     for item in overrides:
         prefix = re.match(r"^[+~]*", item).group(0)
         key, _, value = item[len(prefix):].partition("=")
-        values[key] = _bare(value)
-        if key in SAME_AS or key in _CROSS_KEYS:
-            out.append(Outcome(key, value, "translated"))  # settled below, once every value is known
-        elif is_verl_key(key):
-            out.append(_resolve_one(key, value))
-        else:
-            out.append(Outcome(key, value, "ours", (item,)))
-    return [_cross_key(o, values) for o in out]
+        items.append((item, key, value))
+    values = {key: _bare(value) for _, key, value in items}
+    return [_cross_key(key, value, values) if key in SAME_AS or key in _CROSS_KEYS
+            else _resolve_one(key, value) if is_verl_key(key) else Outcome(key, value, "ours", (item,))
+            for item, key, value in items]
 
 
 _CROSS_KEYS = ("custom_reward_function.path", "custom_reward_function.name", "algorithm.use_kl_in_reward",
                "algorithm.rollout_correction.rollout_is_threshold")
 
 
-def _cross_key(o: Outcome, values: dict[str, str]) -> Outcome:
+def _cross_key(key: str, value: str, values: dict[str, str]) -> Outcome:
     """Keys whose outcome depends on another key's value."""
-    key, v = o.key, _bare(o.value)
-    if key not in SAME_AS and key not in _CROSS_KEYS:
-        return o
+    v = _bare(value)
     if key in SAME_AS:
         other, why = SAME_AS[key]
         if values.get(other, v) == v:
-            return Outcome(key, o.value, "accepted", reason=f"one setting here with {other}: {why}")
-        return Outcome(key, o.value, "refused", reason=f"{key}={v} differs from {other}={values[other]}: {why}; "
+            return Outcome(key, value, "accepted", reason=f"one setting here with {other}: {why}")
+        return Outcome(key, value, "refused", reason=f"{key}={v} differs from {other}={values[other]}: {why}; "
                                                        f"set them equal")
     if key == "algorithm.use_kl_in_reward":
         if _is_true(v) and _number(values.get("algorithm.kl_ctrl.kl_coef", "x")) == 0:
-            return Outcome(key, o.value, "accepted", reason="algorithm.kl_ctrl.kl_coef=0: no KL in the reward")
-        return _resolve_one(key, o.value)
+            return Outcome(key, value, "accepted", reason="algorithm.kl_ctrl.kl_coef=0: no KL in the reward")
+        return _resolve_one(key, value)
     if key == "algorithm.rollout_correction.rollout_is_threshold":
         if values.get("algorithm.rollout_correction.rollout_is", "").lower() == "token":
-            return Outcome(key, o.value, "translated", (f"actor.tis_cap={v}",))
-        return Outcome(key, o.value, "ignored", reason="no effect without algorithm.rollout_correction.rollout_is")
+            return Outcome(key, value, "translated", (f"actor.tis_cap={v}",))
+        return Outcome(key, value, "ignored", reason="no effect without algorithm.rollout_correction.rollout_is",
+                       warn=True)
     if "custom_reward_function.path" not in values:
-        return Outcome(key, o.value, "refused", reason="custom_reward_function.name needs custom_reward_function.path")
+        return Outcome(key, value, "refused", reason="custom_reward_function.name needs custom_reward_function.path")
     if key == "custom_reward_function.name":
-        return Outcome(key, o.value, "translated", reason="with custom_reward_function.path")
+        return Outcome(key, value, "translated", reason="with custom_reward_function.path")
     fn = values.get("custom_reward_function.name") or "compute_score"
-    return Outcome(key, o.value, "translated", (f"reward.custom_fn={v}:{fn}",))
+    return Outcome(key, value, "translated", (f"reward.custom_fn={v}:{fn}",))
+
+
+def ordered_overrides(outcomes: list[Outcome]) -> list[str]:
+    """Our overrides from the outcomes, refused ones left out, the LATE rules last (Hydra keeps the
+    last value)."""
+    return [x for o in sorted(outcomes, key=lambda o: o.key in LATE) if o.action != "refused" for x in o.ours]
 
 
 def translate_overrides(overrides: list[str]) -> list[str]:
     """Rewrite verl-style overrides to ours (one warning per ignored key); refuse with the reason."""
-    ours = []
-    for o in sorted(resolve(overrides), key=lambda o: o.key in LATE):
+    outcomes = resolve(overrides)
+    for o in outcomes:
         if o.action == "refused":
             raise ConfigError(o.key, o.reason)
-        if o.action == "ignored" or (o.action == "accepted" and o.key.endswith(".strategy")
-                                     and _bare(o.value) != "megatron"):
-            warnings.warn(f"verl option {o.key}={o.value} ignored: {o.reason}")
-        ours += o.ours
-    return ours
+        if o.warn:
+            warnings.warn(f"verl option {o.key}={o.value} {o.action}: {o.reason}")
+    return ordered_overrides(outcomes)

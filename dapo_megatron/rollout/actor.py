@@ -32,8 +32,8 @@ def engine_actor(model_path: str, cfg, *, dtype: str = "bf16", max_model_len: in
     """Start one engine actor; returns its handle (methods as on `Engine`, called with .remote()).
 
     ray_options: the actor's resources and placement (`Device.ray_options`, a scheduling
-    strategy). log_path: where the engine's library output goes (None: the console). The device layer's vLLM environment goes into the actor's runtime env, so it is
-    set before vLLM is imported.
+    strategy). log_path: where the engine's library output goes (None: the console). The device
+    layer's vLLM environment goes into the actor's runtime env, so it is set before vLLM is imported.
     """
     import ray
     env = get_device(device).vllm_env(cfg.parallel.tp)

@@ -131,11 +131,6 @@ def report(outcomes) -> str:
     return "\n".join(rows)
 
 
-def our_overrides(outcomes) -> list[str]:
-    from dapo_megatron.config.verl_compat import LATE
-    return [x for o in sorted(outcomes, key=lambda o: o.key in LATE) if o.action != "refused" for x in o.ours]
-
-
 def as_yaml(overrides: list[str], config_name: str) -> str:
     """The overrides as a config file that extends `config_name`."""
     from omegaconf import OmegaConf
@@ -152,7 +147,7 @@ def main(argv=None) -> int:
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="a variable the script reads from its environment (others stay ${oc.env:NAME})")
     args = p.parse_args(argv)
-    from dapo_megatron.config.verl_compat import resolve
+    from dapo_megatron.config.verl_compat import ordered_overrides, resolve
     try:
         with open(args.script) as f:
             overrides, _ = parse_script(f.read(), dict(e.partition("=")[::2] for e in args.env))
@@ -160,7 +155,7 @@ def main(argv=None) -> int:
         print(f"error: {args.script}: {exc}", file=sys.stderr)
         return 2
     outcomes = resolve(overrides)
-    ours = our_overrides(outcomes)
+    ours = ordered_overrides(outcomes)
     print(f"# {len(outcomes)} keys of {os.path.basename(args.script)}:")
     print("\n".join("# " + line for line in report(outcomes).splitlines()))
     if args.yaml:
