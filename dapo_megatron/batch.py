@@ -45,6 +45,8 @@ FIELDS: dict[str, Field] = {f.name: f for f in [
     Field("acc", SAMPLE, torch.bool, doc="answer correct"),
     Field("advantages", SAMPLE, torch.float32, doc="GRPO advantage of the response (every token's)"),
     Field("finish_reasons", SAMPLE, None, doc="stop | length | abort"),
+    Field("routed_experts", POSITION, torch.int16, pad=-1,
+          doc="[layers, top_k] expert ids per position (engine or old-log-prob pass); -1: unknown"),
 ]}
 
 
@@ -68,6 +70,11 @@ def pad_right(rows: Sequence[torch.Tensor], value: float = 0.0, dtype: torch.dty
     for i, r in enumerate(rows):
         out[i, : len(r)] = r
     return out
+
+
+def unpad_positions(padded: torch.Tensor, lengths: Sequence[int]) -> list[torch.Tensor]:
+    """[B, S, ...] right-padded position values -> a position column: B tensors [L_i, ...]."""
+    return [padded[i, :n].clone() for i, n in enumerate(lengths)]
 
 
 def _is_list(f: Field) -> bool:
@@ -107,6 +114,11 @@ class RolloutBatch:
     @property
     def response_lengths(self) -> torch.Tensor:  # [B]
         return torch.tensor([len(r) for r in self.responses], dtype=torch.long)
+
+    @property
+    def sequence_lengths(self) -> list[int]:
+        """prompt + response length of every sample (the length of its position fields)."""
+        return [len(p) + len(r) for p, r in zip(self.prompts, self.responses)]
 
     @property
     def nbytes(self) -> int:

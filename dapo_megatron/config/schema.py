@@ -77,6 +77,9 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"  # k1 | mse (k2) | low_var_kl (k3)
     recompute_granularity: str = ""  # "" | full | selective
     offload: bool = False  # move params/optimizer to host while the engines generate
+    # MoE routing replay (train/routing.py): off | actor (R2: the update replays the routes of
+    # the old-log-prob pass) | rollout (R3: old log-probs and the update replay the engine's routes)
+    router_replay: str = "off"
 
 
 @dataclass

@@ -26,6 +26,7 @@ CHOICES: dict[str, tuple] = {
     "actor.kl_loss_type": tuple(KL_KINDS),
     "actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
     "actor.recompute_granularity": ("", "full", "selective"),
+    "actor.router_replay": ("off", "actor", "rollout"),
     "model.dtype": ("fp32", "bf16", "fp16"),
     "data.truncation": ("filter", "left", "right", "error"),
     "algorithm.adv_estimator": ("grpo",),
@@ -181,11 +182,6 @@ def _check_layouts(cfg: DapoConfig) -> None:
     for name in ("pp", "cp", "etp"):
         _require(getattr(r, name) == 1, f"rollout.parallel.{name}",
                  f"rollout.parallel.{name} must be 1 (an engine uses TP, and EP over the same ranks)")
-    # Engine checksums merge the TP workers' slices; experts spread over EP ranks would need vLLM's
-    # expert map, untestable on CPU, so EP engines rely on rollout/logprob_diff_* every step.
-    _require(cfg.rollout.sync.verify_every == 0 or r.ep == 1, "rollout.sync.verify_every",
-             f"rollout.sync.verify_every ({cfg.rollout.sync.verify_every}) needs rollout.parallel.ep == 1 (engine "
-             f"checksums are not implemented for expert-parallel engines); set rollout.sync.verify_every=0")
     fit = devices["rollout"] // r.tp
     _require(0 <= cfg.rollout.num_engines <= fit, "rollout.num_engines",
              f"rollout.num_engines ({cfg.rollout.num_engines}) must be in [0, {fit}]: {devices['rollout']} engine "
@@ -216,11 +212,33 @@ def check_model(cfg: DapoConfig, spec: ModelSpec) -> None:
     _require(heads % r.tp == 0 and (kv % r.tp == 0 or r.tp % kv == 0), "rollout.parallel.tp",
              f"rollout.parallel.tp ({r.tp}) must divide the attention heads ({heads}) and divide or be a "
              f"multiple of the key-value heads ({kv})")
+    _check_router_replay(cfg, spec, engine)
     max_pos = spec.max_position_embeddings
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
     _require(max_pos is None or total <= max_pos, "data.max_response_length",
              f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's "
              f"max_position_embeddings ({max_pos})")
+
+
+def _check_router_replay(cfg: DapoConfig, spec: ModelSpec, engine) -> None:
+    mode = cfg.actor.router_replay
+    if mode == "off":
+        return
+    _require(spec.is_moe, "actor.router_replay",
+             f"actor.router_replay={mode} needs an MoE model; {spec.model_type} has no router: set "
+             f"actor.router_replay=off")
+    _require(cfg.actor.parallel.cp == 1, "actor.router_replay",
+             f"actor.router_replay={mode} does not run with actor.parallel.cp ({cfg.actor.parallel.cp}) > 1 "
+             f"(routes are laid out per sequence position, context parallelism reorders them)")
+    if mode != "rollout":
+        return
+    _require(engine.engine_returns_routes, "actor.router_replay",
+             f"actor.router_replay=rollout needs engines that return routed experts; {engine.vllm_package} cannot "
+             f"(vLLM captures them in Model Runner V2, which needs Triton): set actor.router_replay=actor "
+             f"(the update replays the old-log-prob pass's routes) or off")
+    _require(cfg.rollout.enable_prefix_caching, "rollout.enable_prefix_caching",
+             "actor.router_replay=rollout needs rollout.enable_prefix_caching=true (vLLM's routed-experts "
+             "capture requires it)")
 
 
 def validate(cfg: DapoConfig, spec: Optional[ModelSpec] = None) -> DapoConfig:

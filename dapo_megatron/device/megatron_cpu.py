@@ -120,6 +120,19 @@ def _patch_rng() -> None:
     from megatron.core.tensor_parallel import random as mrandom
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
     mrandom.initialize_rng_tracker(force_reset=True)
+    # Symptom: full activation recompute (actor.recompute_granularity=full) raises "Torch not
+    # compiled with CUDA enabled" in CheckpointFunction, which saves the device RNG state to
+    # restore it for the recompute; on CPU the device generator is the CPU one.
+    mrandom._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *args, **kwargs: torch.set_rng_state(state)
+    # Symptom: then the recompute itself raises it (the default causal mask on "cuda"): the
+    # autograd engine runs the recompute without this thread's torch function mode.
+    forward_again = mrandom.CheckpointFunction.backward
+
+    def backward(ctx, *grads):
+        with _CudaToCpuMode():
+            return forward_again(ctx, *grads)
+    mrandom.CheckpointFunction.backward = staticmethod(backward)
 
 
 def install() -> None:

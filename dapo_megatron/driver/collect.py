@@ -39,9 +39,13 @@ class ScoredGroup:
         No `loss_mask`: every response token counts, the batch's default."""
         r = self.rollout
         for j, response in enumerate(r.responses):
-            yield dict(prompts=r.prompt, responses=response, rollout_logprobs=r.rollout_logprobs[j],
-                       finish_reasons=r.finish_reasons[j], group=group, prompt_index=self.item.index,
-                       scores=float(self.scores[j]), acc=bool(self.acc[j]))
+            sample = dict(prompts=r.prompt, responses=response, rollout_logprobs=r.rollout_logprobs[j],
+                          finish_reasons=r.finish_reasons[j], group=group, prompt_index=self.item.index,
+                          scores=float(self.scores[j]), acc=bool(self.acc[j]))
+            routes = r.route_positions(j)
+            if routes is not None:
+                sample["routed_experts"] = routes
+            yield sample
 
 
 ScoreFn = Callable[[Sequence[PromptItem], Sequence[RolloutGroup]], list[Group[ScoredGroup]]]

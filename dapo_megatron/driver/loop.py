@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import ray
 
 from dapo_megatron.algo import DynamicSampler, compute_grpo_advantages, masked_mean, rollout_logprob_metrics
+from dapo_megatron.batch import unpad_positions
 from dapo_megatron.config import DapoConfig
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.driver import setup
@@ -64,7 +65,10 @@ def train_step(run: Run) -> dict:
     batch = groups_to_batch(collected.groups)
     mask = batch.loss_mask  # [B, T]
     with run.timed("old_logprob"):
-        batch.old_logprobs = ctx.train.compute_logprobs(ray.put(batch))["logprobs"]
+        columns, route_metrics = ctx.train.compute_logprobs(ray.put(batch))
+    batch.old_logprobs = columns["logprobs"]
+    if "routed_experts" in columns:  # actor.router_replay=actor: the update replays these
+        batch.routed_experts = unpad_positions(columns["routed_experts"], batch.sequence_lengths)
     if cfg.actor.use_kl_loss:
         with run.timed("ref"):
             batch.ref_logprobs = ctx.train.compute_ref_logprobs(ray.put(batch))
@@ -77,7 +81,7 @@ def train_step(run: Run) -> dict:
         run.syncs += 1
         metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync,
                                           verify=setup.verify_due(cfg, run.syncs)))
-    metrics.update(collected.metrics, **run.scorer.pop_metrics())
+    metrics.update(collected.metrics, **run.scorer.pop_metrics(), **route_metrics)
     metrics.update(rollout_logprob_metrics(batch.rollout_logprobs, batch.old_logprobs, mask))
     metrics.update({"reward/kept_mean": batch.scores.mean().item(), "acc/kept_mean": batch.acc.float().mean().item(),
                     "response_length/mean": batch.response_lengths.float().mean().item(),

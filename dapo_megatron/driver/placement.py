@@ -71,5 +71,6 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int)
         engines.append(engine_actor(model_path, cfg.rollout, dtype=cfg.model.dtype, max_model_len=max_model_len,
                                     device=device.kind, name=f"{ENGINE_NAME}-{j}",
                                     log_path=log_file(run_dir, f"engine-{j}"),
+                                    return_routes=cfg.actor.router_replay == "rollout",
                                     **_options(device, pg, first + j * tp, share)))
     return Placement(TrainGroup(workers), engines, pg)

@@ -110,9 +110,11 @@ class TrainGroup:
         master = ray.get(self.workers[0].address.remote())
         return self._all([w.setup.remote(master, total_steps) for w in self.workers])[0]
 
-    def compute_logprobs(self, batch_ref) -> dict:
-        """{"logprobs": [B, T]} of the actor, joined from every DP rank's rows."""
-        return assemble(self._all([w.compute_logprobs.remote(batch_ref) for w in self.workers]))
+    def compute_logprobs(self, batch_ref) -> tuple[dict, dict]:
+        """({"logprobs": [B, T]} of the actor, joined from every DP rank's rows, plus
+        "routed_experts" [B, S, layers, k] when the actor records routes; metrics)."""
+        parts = self._all([w.compute_logprobs.remote(batch_ref) for w in self.workers])
+        return assemble(parts), next(p.metrics for p in parts if p is not None)
 
     def compute_ref_logprobs(self, batch_ref):
         """[B, T] log-probs of the reference model."""

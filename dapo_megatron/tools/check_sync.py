@@ -5,7 +5,7 @@
 
 Builds the actor from an HF checkpoint at the layout asked (Ray, the driver's own training ranks
 and engine), changes its weights by one optimizer step on random data, syncs them into a vLLM
-engine the way the loop does (checksums compared where the engine supports it), writes the
+engine the way the loop does (checksums compared), writes the
 actor's weights as an HF checkpoint, then samples a few responses from the engine and compares
 the engine's log-probs of those tokens with HF transformers on the written weights. Prints
 `max_abs_logprob_diff=<value>`; exits 1 above `--tol`. Silent corruption (a stale tensor, the
@@ -57,7 +57,7 @@ def random_batch(n_prompts: int, n: int, vocab: int, seed: int = 0):
 def sync_config(hf_dir: str, layout: dict, *, rollout_tp: int = 1, rollout_ep: int = 1, dtype: str = "fp32",
                 device: str = "auto", transport: str = "object_store"):
     """The quickstart config around `hf_dir` with the actor at `layout` ({tp, pp, ep, etp}) on
-    the smallest world that fits it, one engine, checksums on where the engine supports them."""
+    the smallest world that fits it, one engine, checksums on."""
     from dapo_megatron.config import load_config
     from dapo_megatron.convert import world_for_layout
     layout = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, **layout}
@@ -65,7 +65,7 @@ def sync_config(hf_dir: str, layout: dict, *, rollout_tp: int = 1, rollout_ep: i
     return load_config("quickstart", [
         f"model.path={hf_dir}", f"model.dtype={dtype}", f"trainer.device={device}",
         f"trainer.n_gpus_per_node={world_for_layout(layout)}", *parallel, f"rollout.parallel.tp={rollout_tp}",
-        f"rollout.parallel.ep={rollout_ep}", f"rollout.sync.verify_every={int(rollout_ep == 1)}",
+        f"rollout.parallel.ep={rollout_ep}", "rollout.sync.verify_every=1",
         f"rollout.sync.transport={transport}",
         "rollout.n=2", "data.train_batch_size=2", "data.gen_batch_size=2", "actor.ppo_mini_batch_size=2",
         "data.max_prompt_length=32", "data.max_response_length=32", "actor.optim.lr=1e-2"])
@@ -122,12 +122,12 @@ def check_sync(hf_dir: str, args) -> dict:
         train, engines = placement.train, placement.engines
         vocab = HFCheckpoint(hf_dir).shape("model.embed_tokens.weight")[0]
         batch = random_batch(2, cfg.rollout.n, vocab)
-        batch.old_logprobs = train.compute_logprobs(ray.put(batch))["logprobs"]
+        batch.old_logprobs = train.compute_logprobs(ray.put(batch))[0]["logprobs"]
         train.update(ray.put(batch))
         t0 = time.perf_counter()
         sync = setup.sync_weights(train, engines, cfg.rollout.sync, verify=cfg.rollout.sync.verify_every > 0)
         out.update(sync_s=time.perf_counter() - t0, sync_bytes=sync["sync/bytes"],
-                   checksums="compared" if cfg.rollout.sync.verify_every else "not supported (rollout EP > 1)")
+                   checksums="compared")
         with tempfile.TemporaryDirectory() as tmp:
             finalize_shards(tmp, *train.save_hf(tmp))
             _copy_aux(hf_dir, tmp, args.dtype)

@@ -24,6 +24,7 @@ from dapo_megatron.models import ModelSpec
 from dapo_megatron.models.gpt import _DTYPES
 from dapo_megatron.train import logprobs as lp
 from dapo_megatron.train import microbatch as mb
+from dapo_megatron.train import routing
 from dapo_megatron.train.optim import build_optimizer, build_scheduler, wrap_ddp
 
 # Metrics summed over micro-batches and DP: losses are already shares of the mini-batch loss;
@@ -72,6 +73,10 @@ class Actor:
         assert not (spec.is_moe and p.tp > 1 and p.ep == 1 and p.etp != p.tp), "MoE with tp > 1, ep 1 needs etp == tp"
         chunks = build_chunks(spec, hf_dir, cfg.parallel, dtype=dtype, load=load_weights,
                               **recompute_overrides(cfg.recompute_granularity))
+        # Routing replay (train/routing.py): slots on the routers; None routes freely everywhere.
+        self.routes = None
+        if spec.is_moe and cfg.router_replay != "off":
+            self.routes = routing.install(chunks, spec.num_layers, spec.moe_top_k, record=cfg.router_replay == "actor")
         self.model = wrap_ddp(chunks, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.model, cfg.optim, _DTYPES[dtype])
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
@@ -86,7 +91,7 @@ class Actor:
         rank that reports none (see `logprobs.compute_logprobs`)."""
         return lp.compute_logprobs(self.model, self.spec.arch, batch, max_tokens=self.cfg.max_tokens_per_microbatch,
                                    vocab_size=self.spec.vocab_size, temperature=self.temperature,
-                                   with_entropy=with_entropy)
+                                   with_entropy=with_entropy, routes=self.routes)
 
     def update(self, batch: RolloutBatch) -> dict:
         """ppo_epochs x mini-batches of ppo_mini_batch_size * n responses; one optimizer step each."""
@@ -116,8 +121,11 @@ class Actor:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        results = lp.forward_backward(self.model, self.spec.arch, micros,
-                                      lambda m, out: self._loss(counts, m, out), forward_only=False)
+        with routing.routing_mode(self.routes, replay=True, recompute=self.cfg.recompute_granularity == "full"):
+            results = lp.forward_backward(self.model, self.spec.arch, micros,
+                                          lambda m, out: self._loss(counts, m, out), forward_only=False)
+            # how often the policy being trained still routes as the replayed routes say
+            agree = routing.agreement(self.routes.flat) if self.routes is not None else None
         ok, grad_norm, _ = self.optimizer.step()
         if not ok:
             raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
@@ -127,6 +135,8 @@ class Actor:
             if not k.startswith("tis") or self.cfg.tis_cap is not None:
                 out[f"actor/{k}"] = totals[k] / max(totals["tokens"], 1.0)
         out["actor/grad_norm"] = float(grad_norm)
+        if agree is not None:
+            out["actor/router_agreement"] = agree
         return out
 
     def _loss(self, counts: tuple[int, int], micro: mb.MicroBatch, output: torch.Tensor):

@@ -13,7 +13,7 @@ joins them with `assemble`, so no rank gathers a [B, T] result it does not need.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, Iterable, Optional
 
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.train import microbatch as mb
+from dapo_megatron.train import routing
 
 
 def _vocab_mask(logits: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
@@ -96,6 +97,7 @@ def forward_backward(chunks: list, arch, micros: list[mb.MicroBatch], loss_fn: C
 
     def forward_step(data_iterator, model):
         micro = next(data_iterator)
+        routing.feed(model, micro)  # this micro-batch's routes, when the chunk replays them
         inputs = arch.inputs_fn(micro, next(model.parameters()).device)
         # [b, S, V/TP] on the last stage, hidden states elsewhere
         return arch.forward_fn(model, inputs), partial(loss_fn, micro)
@@ -126,8 +128,9 @@ def plan_for_rank(batch: RolloutBatch, max_tokens: int) -> tuple[list[list[int]]
 class Rows:
     """Rows of per-token results one rank computed: which samples, and their values."""
     index: list[int]  # sample indices into the batch
-    values: dict[str, torch.Tensor]  # name -> [len(index), T]
+    values: dict[str, torch.Tensor]  # name -> [len(index), T, ...]
     size: int  # B, the batch's sample count
+    metrics: dict = field(default_factory=dict)  # the same on every reporting rank
 
 
 def assemble(parts: Iterable[Optional[Rows]]) -> dict[str, torch.Tensor]:
@@ -140,16 +143,22 @@ def assemble(parts: Iterable[Optional[Rows]]) -> dict[str, torch.Tensor]:
     if sorted(index) != list(range(size)):
         raise RuntimeError(f"ranks reported {len(index)} rows for a batch of {size}, not each sample once")
     order = torch.tensor(index)
-    return {name: torch.empty(size, *parts[0].values[name].shape[1:])
+    return {name: torch.empty(size, *parts[0].values[name].shape[1:], dtype=parts[0].values[name].dtype)
             .index_copy_(0, order, torch.cat([p.values[name] for p in parts]))
             for name in parts[0].values}
 
 
 def compute_logprobs(chunks: list, arch, batch: RolloutBatch, *, max_tokens: int, vocab_size: int,
-                     temperature: float = 1.0, with_entropy: bool = False) -> Optional[Rows]:
+                     temperature: float = 1.0, with_entropy: bool = False,
+                     routes: Optional[routing.Routes] = None) -> Optional[Rows]:
     """Log-probs (and entropy, `with_entropy`) [n, T] of the response tokens of this DP rank's
     share, 0 on padding positions, as Rows on the rank that reports them (last pipeline stage,
-    TP / CP rank 0); None elsewhere. A collective over the whole world."""
+    TP / CP rank 0); None elsewhere. A collective over the whole world.
+
+    `routes` (MoE actors with routing replay): replay `batch.routed_experts` when it has them,
+    measure how often the router agrees with them (Rows.metrics), or record the router's choices
+    (Rows.values["routed_experts"], [n, S, layers, k] with S the batch's longest sequence).
+    """
     from dapo_megatron.train.parallel import coords
     _, plan = plan_for_rank(batch, max_tokens)
     micros = mb.materialize(batch, plan)
@@ -164,15 +173,27 @@ def compute_logprobs(chunks: list, arch, batch: RolloutBatch, *, max_tokens: int
 
     for chunk in chunks:
         chunk.eval()
-    with torch.no_grad():
+    recorded, metrics = None, {}
+    with torch.no_grad(), routing.routing_mode(routes, replay=True, record=routes is not None and routes.record):
         results = forward_backward(chunks, arch, micros, loss_fn, forward_only=True)
+        if routes is not None:
+            agree = routing.agreement(routes.flat)
+            if agree is not None:
+                metrics["rollout/router_agreement"] = agree
+            if routes.record:
+                recorded = routing.gather_recorded(routes.flat, micros, routes.num_layers, routes.top_k,
+                                                   max(mb.sequence_lengths(batch)))
     c = coords()
     if not results or c.tp_rank or c.cp_rank:
         return None
     index, values = [], {name: [] for name in results[0]}
-    for micro, data in zip(micros, results):
+    if recorded is not None:
+        values["routed_experts"] = []
+    for m, (micro, data) in enumerate(zip(micros, results)):
         rows = [r for r, i in enumerate(micro.index) if i >= 0]
         index += [micro.index[r] for r in rows]
         for name, t in data.items():
             values[name].append(t[rows].float().cpu())
-    return Rows(index, {name: torch.cat(v) for name, v in values.items()}, len(batch))
+        if recorded is not None:
+            values["routed_experts"].append(recorded[m][rows])
+    return Rows(index, {name: torch.cat(v) for name, v in values.items()}, len(batch), metrics)

