@@ -145,6 +145,18 @@ def _rollout_is(value: str) -> list[str]:
     return []
 
 
+_ROUTER_REPLAY = {"disabled": "off", "r2": "actor", "r3": "rollout"}
+
+
+def _router_replay(value: str) -> list[str]:
+    # verl's R2 records routes in the old-log-prob pass, R3 takes the engine's: our actor / rollout.
+    mode = _bare(value).lower()
+    if mode not in _ROUTER_REPLAY:
+        raise ValueError(f"router_replay.mode={_bare(value)} is not one of disabled, R2, R3 "
+                         f"(actor.router_replay=off | actor | rollout)")
+    return [f"actor.router_replay={_ROUTER_REPLAY[mode]}"]
+
+
 # verl key -> its value mapped to our overrides (a ValueError refuses the value).
 VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     _A + "use_token_level_loss": _token_level_loss,
@@ -162,6 +174,7 @@ VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     _M + "override_config.max_position_embeddings": _max_positions,
     _M + "override_config.model_config.max_position_embeddings": _max_positions,
     "algorithm.rollout_correction.rollout_is": _rollout_is,
+    **{_A + home + "router_replay.mode": _router_replay for home in ("", "megatron.", "mindspeed.")},
 }
 # Rules whose outcome must win over a key they override (Hydra keeps the last value).
 LATE = (_RO + "val_kwargs.do_sample", "data.filter_overlong_prompts")
@@ -216,6 +229,8 @@ SAME_AS: dict[str, tuple[str, str]] = {
 
 # Ignored with one warning, by class: (keys, why nothing is lost).
 IGNORED: list[tuple[re.Pattern, str]] = [(re.compile(rx), why) for rx, why in [
+    (r"^actor_rollout_ref\.rollout\.enable_rollout_routing_replay$",
+     "the engines return routes whenever actor.router_replay=rollout (verl's router_replay.mode=R3)"),
     (r"^actor_rollout_ref\.(actor|ref|rollout)\.(use_dynamic_bsz|ppo_micro_batch_size(_per_gpu)?|"
      r"log_prob_micro_batch_size(_per_gpu)?|log_prob_max_token_len_per_gpu|log_prob_use_dynamic_bsz)$",
      "micro-batches are always packed to a token budget here: actor.max_tokens_per_microbatch"),

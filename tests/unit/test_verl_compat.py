@@ -68,6 +68,9 @@ TRANSLATED = [
     (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0"],
      "actor.tis_cap", 2.0),
     (["data.train_files=/data/a.parquet"], "data.train_files", ["/data/a.parquet"]),  # verl takes one file bare
+    (["actor_rollout_ref.actor.megatron.router_replay.mode=R2"], "actor.router_replay", "actor"),
+    (["+actor_rollout_ref.actor.router_replay.mode=disabled"], "actor.router_replay", "off"),
+    (["+actor_rollout_ref.actor.mindspeed.router_replay.mode=R3"], "actor.router_replay", "rollout"),
 ]
 
 
@@ -128,7 +131,7 @@ def test_fsdp_strategy_trains_with_megatron_and_says_so():
     assert cfg.actor.parallel.ep == 2  # the config's own layout
 
 
-IGNORED = ["actor_rollout_ref.actor.fsdp_config.param_offload=True", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
+IGNORED = ["actor_rollout_ref.actor.fsdp_config.param_offload=True", "+actor_rollout_ref.rollout.enable_rollout_routing_replay=True", "actor_rollout_ref.actor.ulysses_sequence_parallel_size=1",
            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "actor_rollout_ref.model.use_remove_padding=True",
            "actor_rollout_ref.rollout.enable_chunked_prefill=True", "critic.strategy=fsdp2", "critic.optim.lr=1e-5",
            "algorithm.kl_ctrl.kl_coef=0.001", "trainer.balance_batch=True", "reward_model.model.path=/rm",
@@ -166,6 +169,7 @@ REFUSED = [
     (["actor_rollout_ref.model.lora_rank=8"], "LoRA"),
     (["+reward_model.reward_kwargs.format_score=0.1"], "no dapo-megatron equivalent"),
     (["actor_rollout_ref.actor.megatron.dtype=int8"], "bfloat16"),
+    (["actor_rollout_ref.actor.megatron.router_replay.mode=R4"], "actor.router_replay"),
 ]
 
 
