@@ -61,7 +61,9 @@ class RouterSlot:
         if target is not None:
             target = target.to(used.device)
             known = target[:, 0] >= 0  # [tokens]
-            same = (used.sort(dim=1).values == target.sort(dim=1).values).all(dim=1)
+            wanted = target.sort(dim=1).values
+            _check_targets(wanted, known, scores.shape[1], self.layer)
+            same = (used.sort(dim=1).values == wanted).all(dim=1)
             self.agree += int((same & known).sum())
             self.total += int(known.sum())
             if self.replay:
@@ -72,6 +74,17 @@ class RouterSlot:
         if self.expect_recompute:
             self.recompute.append(used.detach())
         return probs, used
+
+
+def _check_targets(wanted: torch.Tensor, known: torch.Tensor, experts: int, layer: int) -> None:
+    """Sorted target sets [tokens, k] must name k distinct experts below `experts`. Engines have
+    returned all-zero routes (FlashInfer MoE kernels, vllm-ascend on A3): replaying them would
+    send every token to expert 0 and train on it silently."""
+    bad = known & ((wanted[:, 1:] == wanted[:, :-1]).any(dim=1) | (wanted[:, -1] >= experts))
+    if bool(bad.any()):
+        raise ValueError(f"routed_experts of MoE layer {layer}: {int(bad.sum())} of {int(known.sum())} tokens name an "
+                         f"expert twice or one >= {experts} (all-zero routes are a known engine bug); set "
+                         f"actor.router_replay=actor or off")
 
 
 @dataclass

@@ -34,6 +34,18 @@ def test_slot_replays_known_rows_counts_agreement_and_records_what_it_used():
     assert not slot.targets and not slot.replay  # the mode ends with empty queues
 
 
+@pytest.mark.parametrize("bad", [[0, 0], [3, 7]])
+def test_routes_naming_an_expert_twice_or_out_of_range_are_refused(bad):
+    """All-zero routes (an engine bug seen on some MoE kernels) must not be replayed silently."""
+    slot, scores = RouterSlot(layer=2, sequence_parallel=False), _scores()
+    target = _topk(scores, 2)[1]
+    target[1] = torch.tensor(bad)
+    with routing_mode(Routes([slot], 3, 2), replay=True):
+        slot.targets.append(target)
+        with pytest.raises(ValueError, match="MoE layer 2: 1 of 5 tokens.*actor.router_replay"):
+            slot.get_replay_topk(scores, 2, default_compute_topk=_topk)
+
+
 def test_slot_without_targets_routes_freely_and_measure_only_keeps_its_own_choice():
     slot, scores = RouterSlot(0, False), _scores(seed=1)
     own = _topk(scores, 3)
