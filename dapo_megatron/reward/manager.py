@@ -37,17 +37,17 @@ class RewardOutput:
     metrics: dict[str, float]  # "reward/..." scalars for the logger
 
 
-def load_custom_fn(spec: str) -> Callable:
-    """`path/to/file.py:function` -> that function. Errors name reward.custom_fn, file, function."""
+def load_custom_fn(spec: str, key: str = "reward.custom_fn") -> Callable:
+    """`path/to/file.py:function` -> that function. Errors name the config key, file, function."""
     path_str, sep, name = spec.rpartition(":")
     if not sep or not path_str or not name:
-        raise ConfigError("reward.custom_fn", f"reward.custom_fn must be 'path/to/file.py:function', "
+        raise ConfigError(key, f"{key} must be 'path/to/file.py:function', "
                                               f"got {spec!r}")
     path = Path(path_str).expanduser()
     if not path.is_file():
-        raise ConfigError("reward.custom_fn", f"reward.custom_fn: file {path} not found "
+        raise ConfigError(key, f"{key}: file {path} not found "
                                               f"(resolved to {path.resolve()})")
-    module_name = f"dapo_custom_reward_{path.stem}_{abs(hash(str(path.resolve())))}"
+    module_name = f"dapo_custom_{path.stem}_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # dataclasses / pickling inside the file look it up here
@@ -55,13 +55,13 @@ def load_custom_fn(spec: str) -> Callable:
         module_spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[module_name]
-        raise ConfigError("reward.custom_fn", f"reward.custom_fn: importing {path} failed: "
+        raise ConfigError(key, f"{key}: importing {path} failed: "
                                               f"{type(e).__name__}: {e}") from e
     fn = getattr(module, name, None)
     if not callable(fn):
         found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
         what = "not found" if fn is None else f"is a {type(fn).__name__}, not a function"
-        raise ConfigError("reward.custom_fn", f"reward.custom_fn: {name!r} {what} in {path}; "
+        raise ConfigError(key, f"{key}: {name!r} {what} in {path}; "
                                               f"callables there: {found}")
     return fn
 

@@ -1,0 +1,171 @@
+"""Tool calls (#20, first part): the parser's table format, the registry and runner (every
+failure becomes the tool's message), and the code interpreter's sandbox on the cases a model's
+code can do harm with. No test needs a network or a GPU."""
+import os
+import textwrap
+import time
+
+import pytest
+
+from dapo_megatron.config.errors import ConfigError
+from dapo_megatron.toolcall import Limits, ToolCall, ToolRunner, load_tools, parse_tool_calls, run_python, schema_of
+from dapo_megatron.toolcall.sandbox import _SECCOMP_ARCH, landlock_abi
+
+needs_landlock = pytest.mark.skipif(landlock_abi() == 0, reason="the kernel has no Landlock")
+
+
+# ---- parsing -----------------------------------------------------------------------------------
+def test_several_well_formed_calls_in_one_turn():
+    text = ('Let me compute.\n<tool_call>\n{"name": "python", "arguments": {"code": "print(123 * 456)"}}\n'
+            '</tool_call>\nand <tool_call>{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}</tool_call> done')
+    p = parse_tool_calls(text)
+    assert p.calls == [ToolCall("python", {"code": "print(123 * 456)"}), ToolCall("add", {"a": 1, "b": 2})]
+    assert not p.errors and not p.cut
+
+
+@pytest.mark.parametrize("body,error", [
+    ('{"name": "python", "arguments": {"code": "x"', "not valid JSON"),
+    ('{"arguments": {}}', 'expected {"name"'),
+    ('{"name": "python", "arguments": [1, 2]}', "must be an object"),
+    ('{"name": "python", "arguments": "not json"}', "not JSON"),
+])
+def test_a_malformed_call_is_an_error_line_and_the_others_still_run(body, error):
+    text = f'<tool_call>{body}</tool_call><tool_call>{{"name": "ok", "arguments": {{}}}}</tool_call>'
+    p = parse_tool_calls(text)
+    assert p.calls == [ToolCall("ok", {})] and len(p.errors) == 1 and p.errors[0].startswith("tool call 1: ")
+    assert error in p.errors[0]
+
+
+def test_a_call_cut_by_the_length_limit_is_reported_not_run():
+    p = parse_tool_calls('<tool_call>{"name": "a", "arguments": {}}</tool_call> then <tool_call>{"name": "py')
+    assert p.calls == [ToolCall("a", {})] and p.cut and not p.errors
+    assert parse_tool_calls("no calls here") == parse_tool_calls("")
+    with pytest.raises(ValueError, match="hermes"):
+        parse_tool_calls("x", fmt="mistral")
+
+
+# ---- registry and runner -----------------------------------------------------------------------
+def _user_tools(tmp_path):
+    f = tmp_path / "my_tools.py"
+    f.write_text(textwrap.dedent('''
+        from __future__ import annotations
+        import time
+
+        def add(a: int, b: float = 0.5) -> str:
+            """Add two numbers."""
+            return str(a + b)
+
+        def boom(x: str) -> str:
+            raise RuntimeError("broken tool")
+
+        def slow(seconds: float) -> str:
+            time.sleep(seconds)
+            return "done"
+    '''))
+    return [f"{f}:add", f"{f}:boom", f"{f}:slow", "python"]
+
+
+def test_tools_load_by_entry_with_schemas(tmp_path):
+    tools = load_tools(_user_tools(tmp_path))
+    assert sorted(tools) == ["add", "boom", "python", "slow"]
+    fn = tools["add"].schema["function"]
+    assert fn["description"] == "Add two numbers." and fn["parameters"]["required"] == ["a"]
+    assert fn["parameters"]["properties"] == {"a": {"type": "integer"}, "b": {"type": "number"}}
+    assert schema_of("python", tools["python"].fn)["function"]["parameters"]["properties"] == {"code": {"type": "string"}}
+    for bad, words in [(["nope"], "neither a built-in"), (["python", "python"], "twice"),
+                       ([f"{tmp_path}/missing.py:f"], "not found")]:
+        with pytest.raises(ConfigError) as err:
+            load_tools(bad)
+        assert err.value.key == "rollout.tools" and words in str(err.value)
+
+
+def test_every_failure_is_the_tool_message_and_calls_run_concurrently(tmp_path):
+    runner = ToolRunner(load_tools(_user_tools(tmp_path)), pool=4, timeout_s=2.0)
+    try:
+        out = runner.run([ToolCall("add", {"a": 2}), ToolCall("nope", {}), ToolCall("add", {"c": 1}),
+                          ToolCall("boom", {"x": "y"}), ToolCall("slow", {"seconds": 5}),
+                          ToolCall("python", {"code": "print(123 * 456)"})])
+        assert out[0] == "2.5" and out[5] == "56088\n"
+        assert out[1].startswith("error: unknown tool 'nope'") and "python" in out[1]
+        assert out[2].startswith("error: add: ") and "'a'" in out[2]
+        assert out[3] == "error: boom raised RuntimeError: broken tool"
+        assert out[4] == "error: slow did not finish in 2 s"
+        start = time.monotonic()
+        assert runner.run([ToolCall("slow", {"seconds": 0.5})] * 4) == ["done"] * 4
+        assert time.monotonic() - start < 1.5  # 4 x 0.5 s on 4 threads
+    finally:
+        runner.close()
+
+
+# ---- the sandbox -------------------------------------------------------------------------------
+LIMITS = Limits(wall_s=4, cpu_s=4, memory_mb=512)
+
+
+def test_the_interpreter_prints_imports_and_keeps_files_in_its_own_directory():
+    r = run_python("import numpy as np\nopen('a.txt', 'w').write('hi')\nprint(np.arange(5).sum(), open('a.txt').read())",
+                   LIMITS)
+    assert r.ok and r.output == "10 hi\n" and r.message() == r.output
+
+
+@pytest.mark.parametrize("code,error", [
+    ("while True:\n    pass", "timeout"),  # an infinite loop: the wall-clock kill
+    ("import time\ntime.sleep(60)", "timeout"),
+    ("x = bytearray(10 * 1024 ** 3)", "MemoryError"),  # 10 GB: over the address-space limit
+    ("raise SystemExit(3)", "exit 3"),
+])
+def test_runaway_code_is_bounded_and_reported(code, error):
+    start = time.monotonic()
+    r = run_python(code, LIMITS)
+    assert not r.ok and error in r.message() and r.message().rstrip().endswith("]")
+    assert time.monotonic() - start < LIMITS.wall_s + 3
+
+
+@pytest.mark.skipif(os.uname().machine not in _SECCOMP_ARCH, reason="no seccomp syscall table for this machine")
+def test_a_fork_bomb_fails_at_its_first_fork():
+    r = run_python("import os\nwhile True:\n    os.fork()", LIMITS)
+    assert not r.ok and "PermissionError" in r.output
+    r = run_python("import subprocess\nprint(subprocess.run(['true']).returncode)", LIMITS)
+    assert not r.ok and "PermissionError" in r.output
+    r = run_python("import threading\nt = threading.Thread(target=print, args=('thread ran',))\nt.start(); t.join()",
+                   LIMITS)
+    assert r.ok and r.output == "thread ran\n"  # threads still start
+
+
+def test_the_parent_environment_is_not_inherited(monkeypatch):
+    monkeypatch.setenv("DAPO_TEST_SECRET", "s3cret-token")
+    r = run_python("import os\nprint(sorted(os.environ))", LIMITS)
+    assert r.ok and "DAPO_TEST_SECRET" not in r.output and "s3cret" not in r.output
+
+
+@needs_landlock
+def test_the_parents_proc_environ_cannot_be_read(monkeypatch):
+    monkeypatch.setenv("DAPO_TEST_SECRET", "s3cret-token")
+    r = run_python("import os\nprint(open(f'/proc/{os.getppid()}/environ').read())", LIMITS)
+    assert not r.ok and "PermissionError" in r.output and "s3cret" not in r.output
+
+
+@needs_landlock
+def test_writing_outside_its_directory_fails(tmp_path):
+    for target in (tmp_path / "escaped.txt", "/tmp/dapo-escaped.txt"):
+        r = run_python(f"open({str(target)!r}, 'w').write('x')", LIMITS)
+        assert not r.ok and "PermissionError" in r.output, r.output
+        assert not os.path.exists(target)
+
+
+@needs_landlock
+def test_no_network():
+    import socket
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(1)
+    try:
+        r = run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {server.getsockname()[1]}), timeout=2)",
+                       LIMITS)
+        assert not r.ok and "PermissionError" in r.output
+    finally:
+        server.close()
+
+
+def test_long_output_is_truncated():
+    r = run_python("print('y' * 100000)", LIMITS)
+    assert r.ok and len(r.output) < LIMITS.output_chars + 100 and r.output.endswith("characters]")
