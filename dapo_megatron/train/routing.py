@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-MODES = ("off", "actor", "rollout")
+MODES = ("off", "actor", "rollout")  # actor.router_replay
 PAD = -1  # unknown route: the router chooses
 
 
