@@ -14,7 +14,6 @@ from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.config.schema import DapoConfig, ParallelConfig
 from dapo_megatron.device import get_device
 from dapo_megatron.models.spec import ModelSpec
-from dapo_megatron.train.routing import MODES as ROUTER_REPLAY_MODES
 from dapo_megatron.weights.transport import TRANSPORTS
 
 KeyFn = Callable[[str], str]  # a degree's name ("tp") -> the key a user changes ("actor.parallel.tp", "--tp")
@@ -27,7 +26,7 @@ CHOICES: dict[str, tuple] = {
     "actor.kl_loss_type": tuple(KL_KINDS),
     "actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
     "actor.recompute_granularity": ("", "full", "selective"),
-    "actor.router_replay": ROUTER_REPLAY_MODES,
+    "actor.router_replay": ("off", "actor", "rollout"),
     "model.dtype": ("fp32", "bf16", "fp16"),
     "data.truncation": ("filter", "left", "right", "error"),
     "algorithm.adv_estimator": ("grpo",),

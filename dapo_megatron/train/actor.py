@@ -76,7 +76,8 @@ class Actor:
         # Routing replay (train/routing.py): slots on the routers; None routes freely everywhere.
         self.routes = None
         if spec.is_moe and cfg.router_replay != "off":
-            self.routes = routing.install(chunks, spec.num_layers, spec.moe_top_k, record=cfg.router_replay == "actor")
+            self.routes = routing.install(chunks, spec.num_layers, spec.moe_top_k, record=cfg.router_replay == "actor",
+                                          recompute=cfg.recompute_granularity == "full")
         self.model = wrap_ddp(chunks, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.model, cfg.optim, _DTYPES[dtype])
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
@@ -107,7 +108,7 @@ class Actor:
         for _ in range(self.cfg.ppo_epochs):
             for s in range(0, len(batch), mini):
                 steps.append(self._train_minibatch(batch.select(list(range(s, min(s + mini, len(batch)))))))
-        tokens = sum(mb.sequence_lengths(batch)) * self.cfg.ppo_epochs
+        tokens = sum(batch.sequence_lengths) * self.cfg.ppo_epochs
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["actor/tokens_per_s"] = tokens / (time.perf_counter() - start)
@@ -121,7 +122,7 @@ class Actor:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        with routing.routing_mode(self.routes, replay=True, recompute=self.cfg.recompute_granularity == "full"):
+        with routing.routing_mode(self.routes, update=True):
             results = lp.forward_backward(self.model, self.spec.arch, micros,
                                           lambda m, out: self._loss(counts, m, out), forward_only=False)
             # how often the policy being trained still routes as the replayed routes say

@@ -114,7 +114,7 @@ def plan_for_rank(batch: RolloutBatch, max_tokens: int) -> tuple[list[list[int]]
     """(every DP rank's share, this rank's harmonised micro-batch plan)."""
     from dapo_megatron.train.parallel import coords, group
     c = coords()
-    shares = mb.split_for_dp(mb.sequence_lengths(batch), c.dp)
+    shares = mb.split_for_dp(batch.sequence_lengths, c.dp)
     plan = mb.plan_microbatches(batch, shares[c.dp_rank], max_tokens, c.tp)
     # EP dispatch is a collective across DP shares: same count and shapes on all DP ranks.
     dp_group = group("dp") if c.ep > 1 else None
@@ -174,7 +174,7 @@ def compute_logprobs(chunks: list, arch, batch: RolloutBatch, *, max_tokens: int
     for chunk in chunks:
         chunk.eval()
     recorded, metrics = None, {}
-    with torch.no_grad(), routing.routing_mode(routes, replay=True, record=routes is not None and routes.record):
+    with torch.no_grad(), routing.routing_mode(routes, update=False):
         results = forward_backward(chunks, arch, micros, loss_fn, forward_only=True)
         if routes is not None:
             agree = routing.agreement(routes.flat)
@@ -182,7 +182,7 @@ def compute_logprobs(chunks: list, arch, batch: RolloutBatch, *, max_tokens: int
                 metrics["rollout/router_agreement"] = agree
             if routes.record:
                 recorded = routing.gather_recorded(routes.flat, micros, routes.num_layers, routes.top_k,
-                                                   max(mb.sequence_lengths(batch)))
+                                                   max(batch.sequence_lengths))
     c = coords()
     if not results or c.tp_rank or c.cp_rank:
         return None

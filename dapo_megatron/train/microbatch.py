@@ -25,11 +25,6 @@ import torch
 from dapo_megatron.batch import FIELDS, POSITION, SAMPLE, TOKEN, RolloutBatch
 
 
-def sequence_lengths(batch: RolloutBatch) -> list[int]:
-    """prompt + response length of every sample."""
-    return batch.sequence_lengths
-
-
 def split_for_dp(lengths: list[int], dp: int) -> list[list[int]]:
     """Balanced, deterministic split of sample indices over `dp` ranks (longest first to the
     least-loaded rank); each rank's list is sorted so results keep the input order."""
@@ -122,7 +117,7 @@ class Plan:
 
 def plan_microbatches(batch: RolloutBatch, share: list[int], max_tokens: int, seq_multiple: int) -> Plan:
     """Token-budget bins of the samples in `share` (indices into the full batch)."""
-    lengths = sequence_lengths(batch)
+    lengths = batch.sequence_lengths
     local = [lengths[i] for i in share]
     bins = [[share[j] for j in b] for b in token_bins(local, max_tokens, seq_multiple)]
     shapes = [(len(b), round_up(max(lengths[i] for i in b), seq_multiple)) for b in bins]

@@ -30,7 +30,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-MODES = ("off", "actor", "rollout")  # actor.router_replay
 PAD = -1  # unknown route: the router chooses
 
 
@@ -43,7 +42,7 @@ class RouterSlot:
         self.targets: deque = deque()  # per forward call: [tokens, k] long, PAD rows, or None
         self.recompute: deque = deque()  # what each forward used, for its recompute
         self.recorded: list[torch.Tensor] = []  # per forward call: [tokens, k] the router's choice
-        self.replay = self.record = self.expect_recompute = False
+        self.record = self.expect_recompute = False
         self.agree = self.total = 0  # token x layer sets equal / compared (targets vs own choice)
 
     def reset(self) -> None:
@@ -66,9 +65,8 @@ class RouterSlot:
             same = (used.sort(dim=1).values == wanted).all(dim=1)
             self.agree += int((same & known).sum())
             self.total += int(known.sum())
-            if self.replay:
-                used = torch.where(known[:, None], target, used)
-                probs = scores.gather(1, used)
+            used = torch.where(known[:, None], target, used)
+            probs = scores.gather(1, used)
         if self.record:  # what this pass routed by: its own choice, or the replayed targets
             self.recorded.append(used.detach())
         if self.expect_recompute:
@@ -89,15 +87,17 @@ def _check_targets(wanted: torch.Tensor, known: torch.Tensor, experts: int, laye
 
 @dataclass
 class Routes:
-    """A model's router slots and the shape of its routes; `record`: the old-log-prob pass
-    records the routes it used (mode actor)."""
+    """A model's router slots and the shape of its routes. `record`: the old-log-prob pass
+    records the routes it used (mode actor); `recompute`: the update recomputes whole layers
+    (actor.recompute_granularity=full)."""
     flat: list[RouterSlot]
     num_layers: int
     top_k: int
     record: bool = False
+    recompute: bool = False
 
 
-def install(chunks: list, num_layers: int, top_k: int, record: bool = False) -> Routes:
+def install(chunks: list, num_layers: int, top_k: int, *, record: bool = False, recompute: bool = False) -> Routes:
     """Put a RouterSlot on every TopKRouter of this rank's chunks."""
     from megatron.core.transformer.moe.router import TopKRouter
     flat = []
@@ -109,7 +109,7 @@ def install(chunks: list, num_layers: int, top_k: int, record: bool = False) -> 
                 slots.append(module.router_replay)
         chunk._router_slots = slots  # read by `feed` through whatever wraps the chunk
         flat += slots
-    return Routes(flat, num_layers, top_k, record)
+    return Routes(flat, num_layers, top_k, record, recompute)
 
 
 def slots_of(model) -> list[RouterSlot]:
@@ -140,21 +140,22 @@ def feed(model, micro) -> None:
 
 
 @contextlib.contextmanager
-def routing_mode(routes: Optional[Routes], *, replay: bool = False, record: bool = False,
-                 recompute: bool = False):
-    """Set every slot's mode for one schedule run; queues start empty and are emptied after.
-    A no-op without routes (dense models, replay off)."""
+def routing_mode(routes: Optional[Routes], *, update: bool):
+    """Set every slot for one schedule run: an old-log-prob pass records (`routes.record`), an
+    update's recompute replays what its forward used (`routes.recompute`). Targets, when a
+    micro-batch has them, are always replayed. Queues start empty and are emptied after; a no-op
+    without routes (dense models, replay off)."""
     flat = routes.flat if routes is not None else []
     for s in flat:
         s.reset()
-        s.replay, s.record, s.expect_recompute = replay, record, recompute
+        s.record, s.expect_recompute = routes.record and not update, routes.recompute and update
     try:
         yield
     finally:
         for s in flat:
             s.targets.clear()
             s.recompute.clear()
-            s.replay = s.record = s.expect_recompute = False
+            s.record = s.expect_recompute = False
 
 
 def agreement(slots: list[RouterSlot]) -> Optional[float]:

@@ -35,7 +35,7 @@ def batch():
 
 def four_bin_budget(batch) -> int:
     """A token budget that splits the (single) mini-batch into exactly 4 micro-batches at TP1."""
-    lengths = mb.sequence_lengths(batch)
+    lengths = batch.sequence_lengths
     for budget in range(max(lengths), sum(lengths) * len(lengths)):
         if len(mb.token_bins(lengths, budget)) == 4:
             return budget
@@ -86,7 +86,7 @@ def _maxdiff(a, b, mask=None):
 
 
 def test_microbatch_plan_splits(batch):
-    assert len(mb.token_bins(mb.sequence_lengths(batch), MAX_TOKENS)) > 2
+    assert len(mb.token_bins(batch.sequence_lengths, MAX_TOKENS)) > 2
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

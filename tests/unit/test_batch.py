@@ -74,7 +74,7 @@ def test_a_new_field_is_one_table_row(monkeypatch):
     picked = batch.select([2, 1])
     assert picked.dummy_routes[0][:, 0].tolist() == [200, 201, 202]
 
-    shares = mb.split_for_dp(mb.sequence_lengths(batch), 2)
+    shares = mb.split_for_dp(batch.sequence_lengths, 2)
     seen = set()
     for share in shares:
         plan = mb.harmonize(mb.plan_microbatches(batch, share, max_tokens=8, seq_multiple=4), None,

@@ -24,14 +24,14 @@ def test_slot_replays_known_rows_counts_agreement_and_records_what_it_used():
     target[1] = torch.tensor([6, 5]) if set(own[1].tolist()) != {5, 6} else torch.tensor([0, 1])  # disagrees
     target[3] = torch.tensor([own[3, 1], own[3, 0]])  # same set, other order: agrees
     target[4] = -1  # unknown: the router chooses, not counted
-    with routing_mode(Routes([slot], 1, 2), replay=True, record=True):
+    with routing_mode(Routes([slot], 1, 2, record=True), update=False):
         slot.targets.append(target)
         probs, used = slot.get_replay_topk(scores, 2, default_compute_topk=_topk)
         assert torch.equal(used[:4], target[:4]) and torch.equal(used[4], own[4])
         assert torch.equal(probs, scores.gather(1, used))
         assert (slot.agree, slot.total) == (3, 4)
         assert torch.equal(slot.recorded[0], used)
-    assert not slot.targets and not slot.replay  # the mode ends with empty queues
+    assert not slot.targets and not slot.record  # the mode ends with empty queues
 
 
 @pytest.mark.parametrize("bad", [[0, 0], [3, 7]])
@@ -40,17 +40,17 @@ def test_routes_naming_an_expert_twice_or_out_of_range_are_refused(bad):
     slot, scores = RouterSlot(layer=2, sequence_parallel=False), _scores()
     target = _topk(scores, 2)[1]
     target[1] = torch.tensor(bad)
-    with routing_mode(Routes([slot], 3, 2), replay=True):
+    with routing_mode(Routes([slot], 3, 2), update=False):
         slot.targets.append(target)
         with pytest.raises(ValueError, match="MoE layer 2: 1 of 5 tokens.*actor.router_replay"):
             slot.get_replay_topk(scores, 2, default_compute_topk=_topk)
 
 
-def test_slot_without_targets_routes_freely_and_measure_only_keeps_its_own_choice():
+def test_slot_without_targets_routes_freely():
     slot, scores = RouterSlot(0, False), _scores(seed=1)
     own = _topk(scores, 3)
-    with routing_mode(Routes([slot], 1, 3)):  # no replay: targets are only compared
-        slot.targets.append(torch.zeros(5, 3, dtype=torch.long) + torch.arange(3))
+    with routing_mode(Routes([slot], 1, 3), update=True):
+        slot.targets.append(None)  # a micro-batch without routes
         probs, used = slot.get_replay_topk(scores, 3, default_compute_topk=_topk)
         assert torch.equal(used, own[1]) and torch.equal(probs, own[0])
         probs, used = slot.get_replay_topk(scores, 3, default_compute_topk=_topk)  # queue empty: free
@@ -63,7 +63,7 @@ def test_recompute_under_grad_replays_what_its_forward_used_in_order():
     slot = RouterSlot(0, False)
     first, second = _scores(seed=2), _scores(seed=3)
     t1, t2 = _topk(first, 2)[1].flip(0), _topk(second, 2)[1].flip(0)
-    with routing_mode(Routes([slot], 1, 2), replay=True, recompute=True):
+    with routing_mode(Routes([slot], 1, 2, recompute=True), update=True):
         slot.targets.extend([t1, t2])
         with torch.no_grad():
             slot.get_replay_topk(first, 2, default_compute_topk=_topk)
