@@ -40,3 +40,12 @@ def shape_model(tmp_path_factory):
             built[name] = build_test_shape(name, str(root / name))
         return built[name]
     return get
+
+
+@pytest.fixture(scope="session")
+def tool_assets(tmp_path_factory) -> Path:
+    """The tool task's bundle (tokenizer/, qwen2/, data/), warmed up: the tests need a model that
+    really calls the interpreter (~1.5 min once per session)."""
+    from dapo_megatron.assets.build import build_tool_assets
+    out = tmp_path_factory.mktemp("tool-assets") / "tools"
+    return build_tool_assets(out, seed=TEST_ASSETS_SEED, log=lambda _msg: None)

@@ -5,6 +5,9 @@ Layout of an asset dir:
     qwen2/, qwen3_moe/    HF checkpoints, tokenizer files copied in (each dir is self-contained)
     data/train.parquet, data/val.parquet    the addition task in the verl schema
     manifest.json         what was built, with which seed and versions, and the measured accuracy
+The tool task's bundle (assets/tools.py: tokenizer/, qwen2/, data/, manifest.json) is built on the
+first use of a tiny://tools/... path into a sibling dir, `<asset dir>-tools`, so neither build
+ever replaces the other.
 
 A build goes into a temp dir next to the target and is renamed into place at the end, under a
 file lock, so concurrent first uses (several Ray workers resolving tiny:// at once) build once
@@ -49,12 +52,19 @@ EVAL = dict(samples_per_pair=8, temperature=1.0, max_new_tokens=16)
 STOP_CHECK = dict(samples_per_pair=4, temperature=1.0, max_new_tokens=16)  # cheaper, every 10 steps
 MODEL_KINDS = ("qwen2", "qwen3_moe")
 MANIFEST = "manifest.json"
+TOOLS_DIR = "tools"  # tiny://tools/...: the tool task's bundle (tool_asset_dir())
 
 
 def default_asset_dir() -> Path:
     """$DAPO_MEGATRON_ASSETS, else ~/.cache/dapo-megatron/tiny-v1."""
     env = os.environ.get(ASSETS_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "dapo-megatron" / ASSET_VERSION
+
+
+def tool_asset_dir() -> Path:
+    """Where tiny://tools/... lives: beside the addition bundle."""
+    root = default_asset_dir()
+    return root.with_name(root.name + "-" + TOOLS_DIR)
 
 
 def read_manifest(asset_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -64,27 +74,46 @@ def read_manifest(asset_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 def build_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, warmup_steps: int = DEFAULT_WARMUP_STEPS,
                  force: bool = False, log: Callable[[str], None] = print) -> Path:
-    """Build all tiny assets into `out_dir` (atomically); a dir with a matching manifest is kept.
-
-    A dir built with other settings is an error unless `force`: silently replacing assets that
-    another run may be training from would be worse than asking.
-    """
-    out = Path(out_dir).expanduser().resolve()
+    """Build the addition bundle (tokenizer, models, data) into `out_dir` (atomically); a dir with
+    a matching manifest is kept, one built with other settings is an error unless `force`."""
     # The manifest entries that must match for an existing dir to count as the requested build.
     want = {"asset_version": ASSET_VERSION, "seed": seed, "warmup_steps": warmup_steps,
             "target_accuracy": TARGET_ACCURACY}
+    return _atomic_build(Path(out_dir), want, lambda tmp: _build_into(tmp, seed=seed, warmup_steps=warmup_steps,
+                                                                       log=log), force=force, log=log)
+
+
+def build_tool_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, force: bool = False,
+                      log: Callable[[str], None] = print) -> Path:
+    """The tool task's bundle (assets/tools.py) into `out_dir`, atomically, like `build_assets`."""
+    from dapo_megatron.assets import tools
+    want = {"asset_version": tools.TOOLS_VERSION, "seed": seed, "warmup_steps": tools.WARMUP_STEPS,
+            "target_accuracy": tools.TARGET_ACCURACY}
+
+    def build(tmp: Path) -> dict[str, Any]:
+        with _quiet_progress_bars():
+            return tools.build_tool_bundle(tmp, seed=seed, warmup_steps=tools.WARMUP_STEPS, log=log)
+    return _atomic_build(Path(out_dir), want, build, force=force, log=log)
+
+
+def _atomic_build(out: Path, want: dict[str, Any], build: Callable[[Path], dict[str, Any]], *, force: bool,
+                  log: Callable[[str], None]) -> Path:
+    """Build into a temp dir beside `out` under a file lock and rename it into place; a dir whose
+    manifest matches `want` is kept. A dir built with other settings is an error unless `force`:
+    silently replacing assets that another run may be training from would be worse than asking."""
+    out = out.expanduser().resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(out.parent / f".{out.name}.lock"):
         have = {k: (read_manifest(out) or {}).get(k) for k in want}
         if have == want and not force:
-            log(f"tiny assets in {out} are up to date (seed {seed}, {warmup_steps} warm-up steps); nothing to do")
+            log(f"tiny assets in {out} are up to date ({want}); nothing to do")
             return out
         if out.exists() and any(out.iterdir()) and not force:
             raise FileExistsError(f"{out} exists but was not built with {want} (its manifest: {have}); "
                                   f"pass --force to rebuild it")
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
-            manifest = _build_into(tmp, seed=seed, warmup_steps=warmup_steps, log=log)
+            manifest = build(tmp)
             _replace_dir(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -100,15 +129,21 @@ def resolve_asset_path(path: str) -> str:
     """
     if not path.startswith(TINY_SCHEME):
         return path
+    name = path[len(TINY_SCHEME):]
     root = default_asset_dir()
+    if name.split("/")[0] == TOOLS_DIR:  # the tool task's bundle, built apart on its own first use
+        root, name = tool_asset_dir(), name[len(TOOLS_DIR) + 1:]
+        build = lambda: build_tool_assets(root, log=lambda _msg: None)  # noqa: E731
+    else:
+        build = lambda: build_assets(root, log=lambda _msg: None)  # noqa: E731
     if read_manifest(root) is None:
         print(f"dapo-megatron: {path} is used for the first time: building the tiny assets in {root} (1-2 "
               f"minutes on 2 CPU cores, once; set ${ASSETS_ENV} to put them elsewhere)", file=sys.stderr, flush=True)
         start = time.perf_counter()
-        build_assets(root, log=lambda _msg: None)
+        build()
         print(f"dapo-megatron: built the tiny assets in {time.perf_counter() - start:.0f} s", file=sys.stderr,
               flush=True)
-    target = root / path[len(TINY_SCHEME):]
+    target = root / name
     if not target.exists():
         names = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
         raise FileNotFoundError(f"{path}: no {target.name!r} in the tiny assets at {root} (have: {names})")

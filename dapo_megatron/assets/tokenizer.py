@@ -33,6 +33,23 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# The same, plus Qwen2.5's rendering of role "tool": consecutive tool messages share one user
+# turn, each wrapped in <tool_response>. Used by the tool task's tokenizer (assets/tools.py).
+TOOLS_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' }}{% endif %}"
+    "{% if message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{% else %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 GENERIC_TEXT = """\
 The quick brown fox jumps over the lazy dog. A model learns from rewards, not from labels.
 Reinforcement learning improves a policy by sampling answers and scoring them with a verifier.
@@ -59,8 +76,10 @@ def tokenizer_corpus() -> list[str]:
     return lines + [line for line in GENERIC_TEXT if line]
 
 
-def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """Train the BPE (deterministic: fixed corpus, full byte alphabet) and wrap it for transformers."""
+def train_tokenizer(vocab_size: int = VOCAB_SIZE, corpus: list[str] | None = None,
+                    chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+    """Train the BPE (deterministic: fixed corpus, full byte alphabet) and wrap it for transformers.
+    corpus: the training lines (default: `tokenizer_corpus()`)."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"),
@@ -69,12 +88,12 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=1, special_tokens=SPECIAL_TOKENS,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(tokenizer_corpus(), trainer)
+    tok.train_from_iterator(tokenizer_corpus() if corpus is None else corpus, trainer)
     # GPT2TokenizerFast(vocab_file=...) silently builds an empty tokenizer; wrapping the trained
     # object is the reliable way to get a dir that AutoTokenizer reloads offline.
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token=IM_END, pad_token=ENDOFTEXT,
                                    unk_token=None, additional_special_tokens=[IM_START, IM_END],
-                                   chat_template=CHAT_TEMPLATE, model_max_length=1024,
+                                   chat_template=chat_template, model_max_length=1024,
                                    clean_up_tokenization_spaces=False)
 
 
@@ -84,9 +103,10 @@ def special_token_ids(tokenizer) -> dict[str, int]:
             (("bos_token_id", ENDOFTEXT), ("eos_token_id", IM_END), ("pad_token_id", ENDOFTEXT))}
 
 
-def build_tokenizer(out_dir: str, vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """Train and save as a HF fast-tokenizer dir (tokenizer.json + config + chat template)."""
-    tokenizer = train_tokenizer(vocab_size)
+def build_tokenizer(out_dir: str, vocab_size: int = VOCAB_SIZE, **kwargs) -> PreTrainedTokenizerFast:
+    """Train and save as a HF fast-tokenizer dir (tokenizer.json + config + chat template);
+    kwargs: `train_tokenizer`'s corpus and chat_template."""
+    tokenizer = train_tokenizer(vocab_size, **kwargs)
     os.makedirs(out_dir, exist_ok=True)
     tokenizer.save_pretrained(out_dir)
     return tokenizer

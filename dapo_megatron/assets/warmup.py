@@ -47,13 +47,15 @@ def supervised_batch(tokenizer, pairs: list[Pair]) -> tuple[torch.Tensor, torch.
 
 
 def supervised_warmup(model, tokenizer, pairs: list[Pair], *, steps: int, batch_size: int = 64, lr: float = 1e-3,
-                      seed: int = 0, stop: Callable[[], bool] | None = None, check_every: int = 10) -> list[float]:
+                      seed: int = 0, stop: Callable[[], bool] | None = None, check_every: int = 10,
+                      batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> list[float]:
     """Up to `steps` AdamW steps on random batches of `pairs`; returns the loss of each step taken.
+    batch: (input_ids, labels) of the pairs, when another task builds them (default: addition's).
 
     `stop` is asked every `check_every` steps and ends the warm-up when it returns True: how many
     steps reach a given accuracy varies a lot with the seed (the curve has a sharp knee).
     """
-    input_ids, labels = supervised_batch(tokenizer, pairs)
+    input_ids, labels = batch if batch is not None else supervised_batch(tokenizer, pairs)
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []

@@ -106,6 +106,17 @@ class SyncConfig:
 
 
 @dataclass
+class MultiTurnConfig:
+    """Multi-turn rollout with tool calls: a turn that calls tools continues after their messages."""
+    enable: bool = False
+    max_turns: int = 4  # model turns per response (a turn that still calls tools at the limit ends it)
+    format: str = "hermes"  # tool-call format of the chat template (toolcall.parse.FORMATS)
+    tool_timeout_s: float = 10.0  # wall clock per call; the interpreter's CPU limit too
+    tool_pool: int = 8  # tool calls running at once per engine
+    max_tool_output_chars: int = 4000  # the interpreter's output is cut there
+
+
+@dataclass
 class RolloutConfig:
     name: str = "vllm"
     parallel: ParallelConfig = field(default_factory=ParallelConfig)  # per engine: tp and ep
@@ -126,6 +137,9 @@ class RolloutConfig:
     # config already sets are refused here (validate.ENGINE_ARGS_OWNED).
     engine_kwargs: Dict[str, Any] = field(default_factory=dict)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    # Tools of multi-turn rollouts: built-in names (python) or path/to/file.py:function entries.
+    tools: List[str] = field(default_factory=lambda: ["python"])
 
 
 @dataclass

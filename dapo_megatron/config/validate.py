@@ -14,6 +14,7 @@ from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.config.schema import DapoConfig, ParallelConfig
 from dapo_megatron.device import get_device
 from dapo_megatron.models.spec import ModelSpec
+from dapo_megatron.toolcall.parse import FORMATS
 from dapo_megatron.weights.transport import TRANSPORTS
 
 KeyFn = Callable[[str], str]  # a degree's name ("tp") -> the key a user changes ("actor.parallel.tp", "--tp")
@@ -35,6 +36,7 @@ CHOICES: dict[str, tuple] = {
     "algorithm.filter_groups.on_exhausted": tuple(ON_EXHAUSTED),
     "rollout.name": ("vllm",),
     "rollout.sync.transport": tuple(TRANSPORTS),
+    "rollout.multi_turn.format": tuple(FORMATS),
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # vLLM EngineArgs the engine sets itself -> the key that sets them (or why nobody may).
@@ -84,6 +86,17 @@ def _check_positive(cfg: DapoConfig) -> None:
     _require(steps is None or steps > 0, "trainer.total_training_steps",
              f"trainer.total_training_steps must be positive or null, got {steps}")
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "reward.timeout_s must be positive")
+    if cfg.rollout.multi_turn.enable:
+        for key in ("rollout.multi_turn.max_turns", "rollout.multi_turn.tool_timeout_s",
+                    "rollout.multi_turn.tool_pool", "rollout.multi_turn.max_tool_output_chars"):
+            value = _get(cfg, key)
+            _require(value > 0, key, f"{key} must be positive, got {value}")
+        _require(bool(cfg.rollout.tools), "rollout.tools",
+                 "rollout.multi_turn.enable=true needs at least one tool in rollout.tools (e.g. [python])")
+        # The engine's routes cover one request; a multi-turn response is several.
+        _require(cfg.actor.router_replay != "rollout", "actor.router_replay",
+                 "actor.router_replay=rollout does not run with rollout.multi_turn.enable=true: set "
+                 "actor.router_replay=actor (routes recorded by the old-log-prob pass)")
     if cfg.reward.overlong_buffer.enable:
         buf = cfg.reward.overlong_buffer.len
         _require(0 < buf <= cfg.data.max_response_length, "reward.overlong_buffer.len",

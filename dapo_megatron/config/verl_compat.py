@@ -61,6 +61,9 @@ RENAMES: dict[str, str] = {
     _RO + "update_weights_bucket_megabytes": "rollout.sync.bucket_mb",
     _RO + "checkpoint_engine.update_weights_bucket_megabytes": "rollout.sync.bucket_mb",
     **{_RO + "val_kwargs." + k: "rollout.val_kwargs." + k for k in ("n", "temperature", "top_p", "top_k")},
+    _RO + "multi_turn.enable": "rollout.multi_turn.enable",
+    _RO + "multi_turn.max_assistant_turns": "rollout.multi_turn.max_turns",
+    _RO + "multi_turn.format": "rollout.multi_turn.format",
     # The overlong buffer's four homes over the recipe's history: custom_reward_function (early
     # 2025), reward_model, reward_model.reward_kwargs.overlong_buffer_cfg, reward.reward_kwargs (2026).
     **{prefix + k: "reward.overlong_buffer." + k for k in _OVERLONG for prefix in (
@@ -265,6 +268,8 @@ IGNORED: list[tuple[re.Pattern, str]] = [(re.compile(rx), why) for rx, why in [
 ]]
 # Refused by class: behaviour we do not have, and what to do instead.
 UNSUPPORTED: list[tuple[re.Pattern, str]] = [(re.compile(rx), why) for rx, why in [
+    (r"^actor_rollout_ref\.rollout\.multi_turn\.tool_config_path$",
+     "tools are listed in rollout.tools (built-in python, or path/to/file.py:function entries)"),
     (r"^actor_rollout_ref\.actor\.megatron\.override_transformer_config\.fp8(_recipe)?$|"
      r"^actor_rollout_ref\.rollout\.quantization$",
      "fp8 training and quantized rollout are not supported; train in model.dtype=bf16"),

@@ -43,10 +43,11 @@ class PromptDataset:
     """All rows of `files`, concatenated in order; items are PromptItem, `stats` counts what was dropped."""
 
     def __init__(self, files: list[str], tokenizer, *, prompt_key: str, max_prompt_length: int, truncation: str,
-                 skip_bad_rows: bool, config_key: str = "data.train_files"):
+                 skip_bad_rows: bool, config_key: str = "data.train_files", tools: list[dict] | None = None):
         self.stats = {"files": len(files), "rows": 0, "kept": 0, "bad_rows": 0, "too_long": 0, "truncated": 0}
         self._prompt_key, self._max_len, self._truncation = prompt_key, max_prompt_length, truncation
         self._skip_bad_rows = skip_bad_rows
+        self._template_kwargs = {"tools": tools} if tools else {}  # multi-turn: the template lists the tools
         if not files:
             raise DataError(f"{config_key} is empty: give at least one .parquet or .jsonl file")
         self.items: list[PromptItem] = []
@@ -59,11 +60,14 @@ class PromptDataset:
                  "filtered" if truncation == "filter" else f"truncation={truncation}")
 
     @classmethod
-    def from_config(cls, cfg: DataConfig, tokenizer, split: str = "train") -> "PromptDataset":
-        """The train or val dataset of `cfg` (split: "train" | "val")."""
+    def from_config(cls, cfg: DataConfig, tokenizer, split: str = "train",
+                    tools: list[dict] | None = None) -> "PromptDataset":
+        """The train or val dataset of `cfg` (split: "train" | "val"); tools: JSON schemas the
+        chat template shows the model (multi-turn rollouts)."""
         files = {"train": cfg.train_files, "val": cfg.val_files}[split]
         return cls(list(files), tokenizer, prompt_key=cfg.prompt_key, max_prompt_length=cfg.max_prompt_length,
-                   truncation=cfg.truncation, skip_bad_rows=cfg.skip_bad_rows, config_key=f"data.{split}_files")
+                   truncation=cfg.truncation, skip_bad_rows=cfg.skip_bad_rows, config_key=f"data.{split}_files",
+                   tools=tools)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -78,7 +82,8 @@ class PromptDataset:
             self.stats["rows"] += 1
             try:
                 fields = parse_row(json.loads(row) if isinstance(row, str) else row, self._prompt_key)
-                text = tokenizer.apply_chat_template(fields[0], add_generation_prompt=True, tokenize=False)
+                text = tokenizer.apply_chat_template(fields[0], add_generation_prompt=True, tokenize=False,
+                                                     **self._template_kwargs)
             except Exception as e:  # noqa: BLE001 - any failure here is this row's fault
                 self._bad_row(where, e)
                 continue

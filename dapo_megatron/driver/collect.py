@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
 import ray
@@ -36,12 +36,14 @@ class ScoredGroup:
 
     def samples(self, group: int) -> Iterator[dict]:
         """One `RolloutBatch.from_samples` row per response; `group`: this group's position in the step.
-        No `loss_mask`: every response token counts, the batch's default."""
+        `loss_mask` from multi-turn rollouts (tool tokens out); else every token counts (the default)."""
         r = self.rollout
         for j, response in enumerate(r.responses):
             sample = dict(prompts=r.prompt, responses=response, rollout_logprobs=r.rollout_logprobs[j],
                           finish_reasons=r.finish_reasons[j], group=group, prompt_index=self.item.index,
                           scores=float(self.scores[j]), acc=bool(self.acc[j]))
+            if r.loss_masks:
+                sample["loss_mask"] = r.loss_masks[j]
             routes = r.route_positions(j)
             if routes is not None:
                 sample["routed_experts"] = routes
@@ -83,15 +85,30 @@ def collect_sync(engines: list, dataset: PromptDataset, prompts: PromptSampler, 
 
 @dataclass
 class _Tokens:
-    """Token accounting of one collection: scored, dropped by the filter, aborted."""
+    """Token accounting of one collection: scored, dropped by the filter, aborted; and, for
+    multi-turn rollouts, the turns and tool calls of every scored response."""
     scored: int = 0
     filtered: int = 0
     aborted: int = 0
+    tools: dict = field(default_factory=dict)
 
     def add(self, sampler: DynamicSampler, groups: list[Group]) -> None:
         kept = sampler.add(groups, new_round=False)
         self.scored += _tokens(groups)
         self.filtered += _tokens(groups) - _tokens(kept)
+        for g in groups:
+            r = g.payload.rollout
+            if r.turns:
+                stats = {**r.tool_stats, "turns": sum(r.turns), "responses": len(r.turns)}
+                self.tools = {k: self.tools.get(k, 0) + v for k, v in stats.items()}
+
+    def tool_metrics(self) -> dict[str, float]:
+        t = self.tools
+        if not t:
+            return {}
+        return {"rollout/turns_mean": t["turns"] / t["responses"], "rollout/tool_calls": float(t["tool_calls"]),
+                "rollout/tool_errors": float(t["tool_errors"]), "rollout/tool_timeouts": float(t["tool_timeouts"]),
+                "timing/tools": float(t["tool_s"])}
 
 
 def _finish(sampler: DynamicSampler, tokens: _Tokens) -> Collected:
@@ -103,7 +120,7 @@ def _finish(sampler: DynamicSampler, tokens: _Tokens) -> Collected:
                     "sampling/discarded_tokens": float(generated - kept_tokens),
                     "sampling/filtered_tokens": float(tokens.filtered),
                     "sampling/overgenerated_tokens": float(generated - kept_tokens - tokens.filtered),
-                    "sampling/aborted_tokens": float(tokens.aborted)})
+                    "sampling/aborted_tokens": float(tokens.aborted)}, **tokens.tool_metrics())
     return Collected(kept, metrics)
 
 

@@ -50,7 +50,8 @@ def _options(device, pg, bundle: int, share: float) -> dict:
     return dict(device.ray_options(share), scheduling_strategy=strategy)
 
 
-def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int) -> Placement:
+def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int, *,
+          tokenizer_path: str = "") -> Placement:
     """Create the placement group, the training ranks and the engines (not yet set up)."""
     from dapo_megatron.rollout.actor import engine_actor
     device = get_device(cfg.trainer.device)
@@ -72,5 +73,6 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int)
                                     device=device.kind, name=f"{ENGINE_NAME}-{j}",
                                     log_path=log_file(run_dir, f"engine-{j}"),
                                     return_routes=cfg.actor.router_replay == "rollout",
+                                    tokenizer_path=tokenizer_path or None,
                                     **_options(device, pg, first + j * tp, share)))
     return Placement(TrainGroup(workers), engines, pg)

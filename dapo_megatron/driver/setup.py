@@ -87,19 +87,35 @@ def prepare(cfg: DapoConfig) -> Context:
     if not getattr(tokenizer, "chat_template", None):  # rows are chat messages: every one would fail
         raise ConfigError(tokenizer_key, f"{tokenizer_key} {tokenizer_dir}: the tokenizer has no chat template "
                                          f"(chat_template.jinja or tokenizer_config.json's chat_template)")
+    tools = _tool_schemas(cfg, tokenizer, tokenizer_key)
     data = _resolved(cfg.data)
-    train_data = PromptDataset.from_config(data, tokenizer, "train")
-    val_data = PromptDataset.from_config(data, tokenizer, "val") if data.val_files else None
+    train_data = PromptDataset.from_config(data, tokenizer, "train", tools=tools)
+    val_data = PromptDataset.from_config(data, tokenizer, "val", tools=tools) if data.val_files else None
     total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * max(
         1, len(train_data) // cfg.data.train_batch_size)
     reward = RewardManager(cfg.reward, cfg.data.max_response_length)  # imports reward.custom_fn
     init_ray(cfg)
-    placement = place(cfg, model_path, spec, cfg.data.max_prompt_length + cfg.data.max_response_length)
+    placement = place(cfg, model_path, spec, cfg.data.max_prompt_length + cfg.data.max_response_length,
+                      tokenizer_path=tokenizer_dir)
     as_role("actor", placement.train.setup, total)
     stops = tuple(t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
                   if isinstance(t, int) and t >= 0)
     return Context(cfg, model_path, spec, tokenizer, train_data, val_data, placement, reward,
                    cfg.trainer.default_local_dir, total, stops)
+
+
+def _tool_schemas(cfg: DapoConfig, tokenizer, tokenizer_key: str) -> list[dict] | None:
+    """Multi-turn only: load rollout.tools here (a bad entry is one line before Ray starts), check
+    the chat template renders tool messages, and return the schemas the prompts list."""
+    if not cfg.rollout.multi_turn.enable:
+        return None
+    from dapo_megatron.toolcall import load_tools, tool_turn_ids
+    tools = load_tools(cfg.rollout.tools)
+    try:
+        tool_turn_ids(tokenizer, ["check"])
+    except Exception as exc:  # noqa: BLE001 - whatever the template does, the user changes the same key
+        raise ConfigError(tokenizer_key, f"{tokenizer_key}: {exc}") from None
+    return [t.schema for t in tools.values()]
 
 
 def verify_due(cfg: DapoConfig, syncs: int) -> bool:

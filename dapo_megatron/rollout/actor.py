@@ -28,7 +28,7 @@ class EngineActor(Engine):
 
 def engine_actor(model_path: str, cfg, *, dtype: str = "bf16", max_model_len: int = 4096,
                  device: str = "auto", name: Optional[str] = None, log_path: Optional[str] = None,
-                 return_routes: bool = False, **ray_options):
+                 return_routes: bool = False, tokenizer_path: Optional[str] = None, **ray_options):
     """Start one engine actor; returns its handle (methods as on `Engine`, called with .remote()).
 
     ray_options: the actor's resources and placement (`Device.ray_options`, a scheduling
@@ -42,4 +42,4 @@ def engine_actor(model_path: str, cfg, *, dtype: str = "bf16", max_model_len: in
         options["name"] = name
     return ray.remote(EngineActor).options(**options).remote(
         model_path, cfg, dtype=dtype, max_model_len=max_model_len, device=device, log_path=log_path,
-        return_routes=return_routes)
+        return_routes=return_routes, tokenizer_path=tokenizer_path)

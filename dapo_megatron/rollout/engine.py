@@ -26,7 +26,9 @@ from dapo_megatron.batch import Prompt
 from dapo_megatron.device import get_device
 from dapo_megatron.weights.checksum import merge_checksums
 from dapo_megatron.weights.transport import TRANSPORTS
+from dapo_megatron.rollout.multiturn import ToolLoop
 from dapo_megatron.rollout.types import RolloutGroup, Sampling
+from dapo_megatron.toolcall.conversation import Conversation
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _WORKER_EXTENSION = "dapo_megatron.rollout.worker_ext.WeightSyncExtension"
@@ -35,10 +37,14 @@ WEIGHT_TRANSPORTS = ("auto", "tensors", "bytes")
 
 @dataclass
 class _Live:
-    """Bookkeeping of one group in flight: its n children stream into these lists."""
+    """Bookkeeping of one group in flight: its n children stream into the group's lists (or,
+    multi-turn, into their conversations). children[i]: child i's vLLM request now, None while
+    its tools run; done: the children finished."""
     group: RolloutGroup
     sink: queue.Queue
-    children: list[str]
+    children: list[Optional[str]]
+    sampling: Sampling
+    conversations: list[Conversation] = field(default_factory=list)
     done: set = field(default_factory=set)
 
 
@@ -48,10 +54,15 @@ class Engine:
     model_path: HF checkpoint dir. dtype: fp32 | bf16 | fp16 (model.dtype). max_model_len:
     prompt + response tokens. weight_transport: how `load_weights` reaches the worker; auto =
     tensors when the single worker lives in this process, else safetensors bytes.
+    With `cfg.multi_turn.enable` a response runs turns: a turn that calls tools (`cfg.tools`)
+    continues, after the tools' messages, as a new request on this engine (its prefix cached)
+    until an answer, `max_turns` or `max_tokens` response tokens in all (tokenizer_path: the
+    chat template's; default model_path).
     """
 
     def __init__(self, model_path: str, cfg, *, dtype: str = "bf16", max_model_len: int = 4096,
-                 device: str = "auto", weight_transport: str = "auto", return_routes: bool = False):
+                 device: str = "auto", weight_transport: str = "auto", return_routes: bool = False,
+                 tokenizer_path: Optional[str] = None):
         p = cfg.parallel  # validated by config/validate.py (rollout.parallel.*)
         assert p.tp >= 1 and p.ep in (1, p.tp) and p.pp == p.cp == p.etp == 1, f"engine layout {p}"
         if dtype not in _DTYPES:
@@ -88,6 +99,9 @@ class Engine:
         self._stop = False
         self._error: Optional[BaseException] = None
         self._ids = itertools.count()
+        mt = getattr(cfg, "multi_turn", None)
+        self._tools = (ToolLoop(mt, list(cfg.tools), tokenizer_path or model_path, cfg.max_concurrent_per_engine)
+                       if mt is not None and mt.enable else None)
         self._thread = threading.Thread(target=self._loop, name="vllm-engine-loop", daemon=True)
         self._thread.start()
 
@@ -163,19 +177,46 @@ class Engine:
 
     def _route(self, outputs) -> None:
         for out in outputs:
-            group_id = self._child_to_group.get(out.request_id)
+            group_id, i = self._child_to_group.get(out.request_id, (None, -1))
             if group_id is None:
                 continue  # aborted meanwhile
             live = self._live[group_id]
-            i = live.children.index(out.request_id)
             c = out.outputs[0]
-            live.group.responses[i].extend(c.token_ids)
-            live.group.rollout_logprobs[i].extend(lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs))
-            if out.finished:
-                live.group.finish_reasons[i] = str(c.finish_reason)
-                if self.return_routes:  # [prompt + response - 1, layers, k], compact for the trip
-                    live.group.routed_experts[i] = self._routes(c.routed_experts)
-                self._finish_child(group_id, out.request_id)
+            logprobs = [lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs)]
+            if live.conversations:
+                live.conversations[i].add_model(c.token_ids, logprobs)
+            else:
+                live.group.responses[i].extend(c.token_ids)
+                live.group.rollout_logprobs[i].extend(logprobs)
+            if not out.finished:
+                continue
+            self._child_to_group.pop(out.request_id, None)
+            live.group.finish_reasons[i] = str(c.finish_reason)
+            if self.return_routes:  # [prompt + response - 1, layers, k], compact for the trip
+                live.group.routed_experts[i] = self._routes(c.routed_experts)
+            parsed = self._tools.calls(live.conversations[i]) if live.conversations and c.finish_reason == "stop" \
+                else None
+            if parsed is None:
+                self._finish_child(group_id, i)
+                continue
+            live.children[i] = None  # in its tools; the next turn is a new request
+            self._tools.start(live.conversations[i], parsed,
+                              lambda ids, g=group_id, i=i: self._commands.put(
+                                  (lambda: self._next_turn(g, i, ids), Future())))
+
+    def _next_turn(self, group_id: str, i: int, tool_ids: list[int]) -> None:
+        """Child i's tools answered: append their tokens and submit its next turn (loop thread)."""
+        live = self._live.get(group_id)
+        if live is None or i in live.done:
+            return  # aborted while its tools ran
+        conv, budget = live.conversations[i], live.sampling.max_tokens
+        if not conv.add_tool(tool_ids, budget):
+            live.group.finish_reasons[i] = "length"
+            self._finish_child(group_id, i)
+            return
+        ids = list(live.group.prompt) + conv.tokens
+        self._submit_child(group_id, i, f"{group_id}#{i}.{conv.turns}", ids,
+                           self._params(live.sampling, ids, i, max_tokens=budget - len(conv.tokens)))
 
     def _routes(self, routes) -> np.ndarray:
         """An output's routed experts as int16 (expert ids < 32768); an output without them
@@ -185,10 +226,15 @@ class Engine:
             return np.full((0, text.num_hidden_layers, text.num_experts_per_tok), -1, dtype=np.int16)
         return np.asarray(routes).astype(np.int16)
 
-    def _finish_child(self, group_id: str, child: str) -> None:
+    def _finish_child(self, group_id: str, i: int) -> None:
         live = self._live[group_id]
-        live.done.add(child)
-        self._child_to_group.pop(child, None)
+        live.done.add(i)
+        if live.conversations:
+            conv, g = live.conversations[i], live.group
+            g.responses[i], g.rollout_logprobs[i], g.loss_masks[i] = conv.tokens, conv.logprobs, conv.mask
+            g.turns[i] = conv.turns
+            for key in g.tool_stats:
+                g.tool_stats[key] += getattr(conv, key)
         if len(live.done) == len(live.children):
             del self._live[group_id]
             live.sink.put(live.group)
@@ -203,18 +249,17 @@ class Engine:
             return None
         return zlib.crc32(f"{seed}:{i}:".encode() + bytes(str(prompt), "ascii")) & 0x7FFFFFFF
 
-    def _params(self, sampling: Sampling, prompt: list[int], i: int):
+    def _params(self, sampling: Sampling, prompt: list[int], i: int, max_tokens: Optional[int] = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
         return SamplingParams(
             n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            max_tokens=sampling.max_tokens, seed=self.child_seed(sampling.seed, prompt, i),
+            max_tokens=max_tokens or sampling.max_tokens, seed=self.child_seed(sampling.seed, prompt, i),
             stop_token_ids=list(sampling.stop_token_ids), logprobs=0, detokenize=False,
             output_kind=RequestOutputKind.DELTA)  # deltas: an aborted response keeps its tokens
 
     def _add(self, request_id: str, prompt: Prompt, sampling: Sampling, index: int, sink) -> None:
         """Fan a prompt out to n requests; child i samples with `child_seed` (distinct, reproducible)."""
-        from vllm.inputs import TokensPrompt
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already in flight")
         if prompt.images:
@@ -222,11 +267,20 @@ class Engine:
         ids, n = list(prompt.ids), sampling.n
         group = RolloutGroup(request_id, index, ids, [[] for _ in range(n)], [[] for _ in range(n)], [""] * n,
                              [None] * n if self.return_routes else [])
-        live = _Live(group, sink, [f"{request_id}#{i}" for i in range(n)])
+        live = _Live(group, sink, [f"{request_id}#{i}" for i in range(n)], sampling)
+        if self._tools is not None:
+            live.conversations = [Conversation() for _ in range(n)]
+            group.loss_masks, group.turns = [[] for _ in range(n)], [1] * n
+            group.tool_stats = dict.fromkeys(RolloutGroup.TOOL_STATS, 0.0)
         self._live[request_id] = live
         for i, child in enumerate(live.children):
-            self._child_to_group[child] = request_id
-            self._llm.add_request(child, TokensPrompt(prompt_token_ids=ids), self._params(sampling, ids, i))
+            self._submit_child(request_id, i, child, ids, self._params(sampling, ids, i))
+
+    def _submit_child(self, group_id: str, i: int, request_id: str, ids: list[int], params) -> None:
+        from vllm.inputs import TokensPrompt
+        self._live[group_id].children[i] = request_id
+        self._child_to_group[request_id] = (group_id, i)
+        self._llm.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
 
     def submit(self, request_id: str, prompt: Prompt, sampling: Sampling, index: int = -1) -> None:
         """Start one prompt's group; it comes back from `poll` once all n responses finished."""
@@ -259,11 +313,12 @@ class Engine:
     def _abort(self, group_ids: list[str]) -> list[str]:
         for group_id in group_ids:
             live = self._live[group_id]
-            pending = [c for c in live.children if c not in live.done]
-            self._llm.abort_request(pending)
-            for child in pending:
-                live.group.finish_reasons[live.children.index(child)] = "abort"
-                self._finish_child(group_id, child)
+            pending = [i for i in range(len(live.children)) if i not in live.done]
+            self._llm.abort_request([live.children[i] for i in pending if live.children[i] is not None])
+            for i in pending:  # a child waiting on its tools ends here; its tools' answer is dropped
+                self._child_to_group.pop(live.children[i], None)
+                live.group.finish_reasons[i] = "abort"
+                self._finish_child(group_id, i)
         return group_ids
 
     def num_in_flight(self) -> int:
@@ -358,6 +413,8 @@ class Engine:
         return self._call(lambda: self._worker_call("weight_sync_hf_tensors", names))
 
     def shutdown(self) -> None:
+        if self._tools is not None:
+            self._tools.close()
         if self._thread.is_alive():
             self._call(lambda: setattr(self, "_stop", True))
             self._thread.join(timeout=10)

@@ -49,6 +49,14 @@ class RolloutGroup:
     # [n] int16 arrays [positions, layers, top_k]: the experts the engine chose for each prompt
     # and response token (actor.router_replay=rollout); empty when the engine returns none.
     routed_experts: list = field(default_factory=list)
+    # Multi-turn rollouts (rollout.multi_turn) only, else empty: [n][T_i] 1 on tokens the model
+    # wrote, 0 on tool messages and the template around them; [n] model turns; the group's tool
+    # accounting, summed over its responses (keys TOOL_STATS).
+    loss_masks: list[list[int]] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    tool_stats: dict = field(default_factory=dict)
+
+    TOOL_STATS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_s")
 
     def route_positions(self, i: int) -> Optional[torch.Tensor]:
         """Response i's routes over its prompt + response positions, [P + R, layers, top_k] int16;

@@ -8,14 +8,16 @@ exception, a timeout) comes back as the tool message; a call never raises into t
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import time
 import typing
 from concurrent.futures import ThreadPoolExecutor, TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from dapo_megatron.toolcall.parse import ToolCall
-from dapo_megatron.toolcall.sandbox import Limits, run_python
+from dapo_megatron.toolcall.sandbox import Limits, Result, run_python
 
 _JSON_TYPES = {int: "integer", float: "number", str: "string", bool: "boolean", list: "array", dict: "object"}
 
@@ -27,9 +29,20 @@ class Tool:
     schema: dict  # {"type": "function", "function": {"name", "description", "parameters"}}
 
 
-def _python(code: str) -> str:
-    """Run Python code and return what it prints (stdout and stderr). Use print() to see values."""
-    return run_python(code, Limits()).message()
+@dataclass(frozen=True)
+class Outcome:
+    """One call's tool message, and how it went (for rollout/tool_errors, rollout/tool_timeouts)."""
+    message: str
+    error: bool = False
+    timeout: bool = False
+    seconds: float = 0.0  # time the tool ran (not the wait for a free slot of the pool)
+
+
+def _python_tool(limits: Limits) -> Callable[..., Result]:
+    def python(code: str) -> Result:
+        """Run Python code and return what it prints (stdout and stderr). Use print() to see values."""
+        return run_python(code, limits)
+    return python
 
 
 def schema_of(name: str, fn: Callable) -> dict:
@@ -45,18 +58,19 @@ def schema_of(name: str, fn: Callable) -> dict:
                                                             "required": required}}}
 
 
-BUILTIN: dict[str, Callable[..., str]] = {"python": _python}
+# Built-in tools by name: each a factory of the tool function from the sandbox's limits.
+BUILTIN: dict[str, Callable[[Limits], Callable[..., Result]]] = {"python": _python_tool}
 
 
-def load_tools(entries: Sequence[str]) -> dict[str, Tool]:
+def load_tools(entries: Sequence[str], limits: Limits = Limits()) -> dict[str, Tool]:
     """`rollout.tools` entries -> tools by name: a built-in name, or `path/to/file.py:function`
-    (the tool is named after the function). Errors name `rollout.tools`."""
+    (the tool is named after the function). Errors name `rollout.tools`. limits: the interpreter's."""
     from dapo_megatron.config.errors import ConfigError
     from dapo_megatron.reward.manager import load_custom_fn
     tools: dict[str, Tool] = {}
     for entry in entries:
         if entry in BUILTIN:
-            name, fn = entry, BUILTIN[entry]
+            name, fn = entry, BUILTIN[entry](limits)
         elif ":" in entry:
             fn = load_custom_fn(entry, key="rollout.tools")
             name = entry.rpartition(":")[2]
@@ -78,28 +92,36 @@ class ToolRunner:
         self.tools, self.timeout_s = tools, timeout_s
         self._pool = ThreadPoolExecutor(max_workers=pool, thread_name_prefix="tool")
 
-    def _call(self, call: ToolCall) -> str:
+    def _call(self, call: ToolCall) -> Outcome:
+        start = time.monotonic()
+        return dataclasses.replace(self._run(call), seconds=time.monotonic() - start)
+
+    def _run(self, call: ToolCall) -> Outcome:
         tool = self.tools.get(call.name)
         if tool is None:
-            return f"error: unknown tool {call.name!r}; the tools are {', '.join(sorted(self.tools))}"
+            return Outcome(f"error: unknown tool {call.name!r}; the tools are {', '.join(sorted(self.tools))}", True)
         try:
             inspect.signature(tool.fn).bind(**call.arguments)
         except TypeError as e:
-            return f"error: {call.name}: {e}"
+            return Outcome(f"error: {call.name}: {e}", True)
         try:
-            return str(tool.fn(**call.arguments))
+            out = tool.fn(**call.arguments)
         except Exception as e:  # noqa: BLE001 - the model sees the failure, the step goes on
-            return f"error: {call.name} raised {type(e).__name__}: {e}"
+            return Outcome(f"error: {call.name} raised {type(e).__name__}: {e}", True)
+        if isinstance(out, Result):  # the interpreter says itself whether it failed or ran out of time
+            return Outcome(out.message(), not out.ok, out.error.startswith("timeout") or "SIGXCPU" in out.error)
+        return Outcome(str(out))
 
-    def run(self, calls: Sequence[ToolCall]) -> list[str]:
-        """Each call's message, in order; the calls run concurrently."""
+    def run(self, calls: Sequence[ToolCall]) -> list[Outcome]:
+        """Each call's outcome, in order; the calls run concurrently."""
         futures = [self._pool.submit(self._call, c) for c in calls]
         out = []
         for call, fut in zip(calls, futures):
             try:
                 out.append(fut.result(timeout=self.timeout_s))
             except FutureTimeout:
-                out.append(f"error: {call.name} did not finish in {self.timeout_s:g} s")
+                out.append(Outcome(f"error: {call.name} did not finish in {self.timeout_s:g} s", True, True,
+                                   self.timeout_s))
         return out
 
     def close(self) -> None:

@@ -62,6 +62,7 @@ class MicroBatch:
     labels: torch.Tensor  # [b, S] long
     prompt_lens: torch.Tensor  # [b] long
     fields: dict = field(default_factory=dict)  # batch field name -> [b], [b, T] or [b, S, ...]
+    response_lens: Optional[torch.Tensor] = None  # [b] long
 
     def __getattr__(self, name: str):
         """A batch field by name (`micro.old_logprobs`); None when the batch did not hold it."""
@@ -72,8 +73,9 @@ class MicroBatch:
 
     @property
     def num_tokens(self) -> int:
-        """Real (unpadded) prompt + response tokens."""
-        return int(self.prompt_lens.sum()) + int(self.loss_mask.sum())
+        """Real (unpadded) prompt + response tokens (tool tokens of multi-turn responses too,
+        which are out of loss_mask): the rows' non-pad positions."""
+        return int(self.prompt_lens.sum()) + int(self.response_lens.sum())
 
 
 def build_microbatch(batch: RolloutBatch, index: list[int], rows: int, seq_len: int,
@@ -82,11 +84,12 @@ def build_microbatch(batch: RolloutBatch, index: list[int], rows: int, seq_len: 
     the batch goes along, laid out by its scope."""
     tokens = torch.zeros(rows, seq_len, dtype=torch.long)  # [b, S]
     prompt_lens = torch.zeros(rows, dtype=torch.long)  # [b]
+    response_lens = torch.zeros(rows, dtype=torch.long)  # [b]
     for row, i in enumerate(index):
         p, r = batch.prompts[i], batch.responses[i]
         tokens[row, : len(p)] = p
         tokens[row, len(p): len(p) + len(r)] = r
-        prompt_lens[row] = len(p)
+        prompt_lens[row], response_lens[row] = len(p), len(r)
     labels = torch.roll(tokens, -1, dims=1)  # [b, S]; the wrapped last column is never used
     fields = {}
     for f in batch.present((SAMPLE, TOKEN, POSITION)):
@@ -105,7 +108,7 @@ def build_microbatch(batch: RolloutBatch, index: list[int], rows: int, seq_len: 
             for row, i in enumerate(index):
                 out[row, : len(src[i])] = src[i]
         fields[f.name] = out
-    return MicroBatch(index + [-1] * (rows - len(index)), tokens, labels, prompt_lens, fields)
+    return MicroBatch(index + [-1] * (rows - len(index)), tokens, labels, prompt_lens, fields, response_lens)
 
 
 @dataclass(frozen=True)

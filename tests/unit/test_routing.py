@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dapo_megatron.batch import RolloutBatch
-from dapo_megatron.rollout.types import RolloutGroup
+from dapo_megatron.rollout.types import RolloutGroup, Sampling
 from dapo_megatron.train import microbatch as mb
 from dapo_megatron.train.routing import RouterSlot, routing_mode, Routes
 
@@ -120,10 +120,10 @@ def test_engine_keeps_the_routes_of_vllm_outputs_compact_per_response():
     engine = Engine.__new__(Engine)
     text_config = SimpleNamespace(num_hidden_layers=layers, num_experts_per_tok=k)
     engine._llm = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=text_config))  # stand-in
-    engine.return_routes, engine._child_to_group = True, {"g#0": "g", "g#1": "g"}
+    engine.return_routes, engine._child_to_group = True, {"g#0": ("g", 0), "g#1": ("g", 1)}
     prompt, sink = [11, 12, 13], queue.Queue()
     group = RolloutGroup("g", 0, prompt, [[], []], [[], []], ["", ""], [None, None])
-    engine._live = {"g": _Live(group, sink, ["g#0", "g#1"])}
+    engine._live = {"g": _Live(group, sink, ["g#0", "g#1"], Sampling(n=2))}
 
     def output(child, tokens, routes, finish):
         lps = [{t: Logprob(-0.5)} for t in tokens]

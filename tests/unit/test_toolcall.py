@@ -1,14 +1,18 @@
-"""Tool calls (#20, first part): the parser's table format, the registry and runner (every
-failure becomes the tool's message), and the code interpreter's sandbox on the cases a model's
-code can do harm with. No test needs a network or a GPU."""
+"""Tool calls (#20): the parser's table format, the registry and runner (every failure becomes
+the tool's message), the code interpreter's sandbox on the cases a model's code can do harm
+with, and a conversation's loss mask. No test needs a network or a GPU."""
+import copy
 import os
 import textwrap
 import time
 
 import pytest
+import torch
 
+from dapo_megatron.assets.tokenizer import CHAT_TEMPLATE
 from dapo_megatron.config.errors import ConfigError
-from dapo_megatron.toolcall import Limits, ToolCall, ToolRunner, load_tools, parse_tool_calls, run_python, schema_of
+from dapo_megatron.toolcall import (Conversation, Limits, ToolCall, ToolRunner, load_tools, parse_tool_calls,
+                                    run_python, schema_of, tool_turn_ids)
 from dapo_megatron.toolcall.sandbox import _SECCOMP_ARCH, landlock_abi
 
 needs_landlock = pytest.mark.skipif(landlock_abi() == 0, reason="the kernel has no Landlock")
@@ -80,18 +84,22 @@ def test_tools_load_by_entry_with_schemas(tmp_path):
 
 
 def test_every_failure_is_the_tool_message_and_calls_run_concurrently(tmp_path):
-    runner = ToolRunner(load_tools(_user_tools(tmp_path)), pool=4, timeout_s=2.0)
+    runner = ToolRunner(load_tools(_user_tools(tmp_path), Limits(wall_s=1.0)), pool=4, timeout_s=2.0)
     try:
         out = runner.run([ToolCall("add", {"a": 2}), ToolCall("nope", {}), ToolCall("add", {"c": 1}),
                           ToolCall("boom", {"x": "y"}), ToolCall("slow", {"seconds": 5}),
-                          ToolCall("python", {"code": "print(123 * 456)"})])
-        assert out[0] == "2.5" and out[5] == "56088\n"
+                          ToolCall("python", {"code": "print(123 * 456)"}),
+                          ToolCall("python", {"code": "import time\ntime.sleep(30)"})])
+        assert [(o.error, o.timeout) for o in out] == [(False, False), (True, False), (True, False), (True, False),
+                                                        (True, True), (False, False), (True, True)]
+        out = [o.message for o in out]
+        assert out[0] == "2.5" and out[5] == "56088\n" and "[error: timeout after 1." in out[6]
         assert out[1].startswith("error: unknown tool 'nope'") and "python" in out[1]
         assert out[2].startswith("error: add: ") and "'a'" in out[2]
         assert out[3] == "error: boom raised RuntimeError: broken tool"
         assert out[4] == "error: slow did not finish in 2 s"
         start = time.monotonic()
-        assert runner.run([ToolCall("slow", {"seconds": 0.5})] * 4) == ["done"] * 4
+        assert [o.message for o in runner.run([ToolCall("slow", {"seconds": 0.5})] * 4)] == ["done"] * 4
         assert time.monotonic() - start < 1.5  # 4 x 0.5 s on 4 threads
     finally:
         runner.close()
@@ -169,3 +177,71 @@ def test_no_network():
 def test_long_output_is_truncated():
     r = run_python("print('y' * 100000)", LIMITS)
     assert r.ok and len(r.output) < LIMITS.output_chars + 100 and r.output.endswith("characters]")
+
+
+# ---- conversations: the loss mask ---------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tools_tokenizer():
+    from dapo_megatron.assets.tokenizer import TOOLS_CHAT_TEMPLATE, train_tokenizer
+    from dapo_megatron.assets.tools import tool_corpus
+    return train_tokenizer(corpus=tool_corpus(), chat_template=TOOLS_CHAT_TEMPLATE)
+
+
+def test_tool_turn_is_the_templates_tool_message_and_next_header(tools_tokenizer):
+    tok = tools_tokenizer
+    ids = tool_turn_ids(tok, ["201954\n", "error: unknown tool 'x'"])
+    assert tok.decode(ids) == ("\n<|im_start|>user\n<tool_response>\n201954\n\n</tool_response>\n<tool_response>\n"
+                               "error: unknown tool 'x'\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    plain = copy.deepcopy(tok)  # plain ChatML renders role "tool" as a turn of its own
+    plain.chat_template = CHAT_TEMPLATE
+    assert tok.decode(tool_turn_ids(plain, ["7"])) == "\n<|im_start|>tool\n7<|im_end|>\n<|im_start|>assistant\n"
+    plain.chat_template = ("{% for m in messages %}{% if m['role'] == 'tool' %}{{ raise_exception('roles must "
+                           "alternate user/assistant') }}{% endif %}{{ m['content'] + eos_token }}{% endfor %}")
+    with pytest.raises(ValueError, match="cannot render tool messages .*alternate.*'tool' role"):
+        tool_turn_ids(plain, ["x"])
+
+
+def test_hand_built_conversation_masks_exactly_the_tool_tokens(tools_tokenizer):
+    """Model turn, tool message, model turn: the mask is 1 on the two turns (their eos too) and 0
+    on every token from after the first eos to the assistant header, checked token by token
+    against the text; tool tokens carry rollout log-prob 0; the batch and the loss follow it."""
+    tok, eos = tools_tokenizer, tools_tokenizer.eos_token_id
+    call = tok.encode('<tool_call>\n{"name": "python", "arguments": {"code": "print(347*582)"}}\n</tool_call>') + [eos]
+    answer = tok.encode("\\boxed{201954}") + [eos]
+    conv = Conversation()
+    conv.add_model(call, [-0.5] * len(call))
+    assert parse_tool_calls(tok.decode(conv.turn_tokens())).calls == [ToolCall("python", {"code": "print(347*582)"})]
+    assert conv.add_tool(tool_turn_ids(tok, [run_python("print(347*582)").message()]), budget=200)
+    assert conv.turns == 2 and conv.turn_tokens() == []
+    conv.add_model(answer, [-0.25] * len(answer))
+    pieces = [tok.decode([t]) for t in conv.tokens]
+    text = "".join(pieces)
+    tool_text = "\n<|im_start|>user\n<tool_response>\n201954\n\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    start = text.index("</tool_call><|im_end|>") + len("</tool_call><|im_end|>")
+    assert text[start:start + len(tool_text)] == tool_text
+    expected, pos = [], 0
+    for piece in pieces:  # a token is a tool token when its text lies inside the tool span
+        expected.append(0 if start <= pos < start + len(tool_text) else 1)
+        pos += len(piece)
+    assert conv.mask == expected and sum(conv.mask) == len(call) + len(answer)
+    assert [lp for lp, m in zip(conv.logprobs, conv.mask) if not m] == [0.0] * (len(conv.tokens) - sum(conv.mask))
+
+    from dapo_megatron.algo.loss import compute_policy_loss
+    from dapo_megatron.batch import RolloutBatch
+    batch = RolloutBatch.from_samples([dict(prompts=[1, 2, 3], responses=conv.tokens, loss_mask=conv.mask,
+                                            rollout_logprobs=conv.logprobs)])
+    assert batch.loss_mask[0].tolist() == [float(m) for m in conv.mask]
+    old = torch.tensor([conv.logprobs])
+    new = old.clone().requires_grad_(True)
+    adv = torch.ones_like(old)
+    loss, _ = compute_policy_loss(old, new, adv, batch.loss_mask, clip_ratio_low=0.2, clip_ratio_high=0.28,
+                                  loss_agg_mode="token-mean")
+    loss.backward()
+    assert (new.grad[0][batch.loss_mask[0] == 0] == 0).all() and (new.grad[0][batch.loss_mask[0] == 1] != 0).all()
+
+
+def test_tool_tokens_are_cut_at_the_response_budget():
+    conv = Conversation()
+    conv.add_model([5, 6, 7], [-1.0] * 3)
+    assert not conv.add_tool([1, 2, 3, 4], budget=5)  # 3 + 2 of 4 tool tokens: no room for a turn
+    assert conv.tokens == [5, 6, 7, 1, 2] and conv.mask == [1, 1, 1, 0, 0]

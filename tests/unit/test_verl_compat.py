@@ -71,6 +71,8 @@ TRANSLATED = [
     (["actor_rollout_ref.actor.megatron.router_replay.mode=R2"], "actor.router_replay", "actor"),
     (["+actor_rollout_ref.actor.router_replay.mode=disabled"], "actor.router_replay", "off"),
     (["+actor_rollout_ref.actor.mindspeed.router_replay.mode=R3"], "actor.router_replay", "rollout"),
+    (["actor_rollout_ref.rollout.multi_turn.enable=True"], "rollout.multi_turn.enable", True),
+    (["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5"], "rollout.multi_turn.max_turns", 5),
 ]
 
 
@@ -170,6 +172,7 @@ REFUSED = [
     (["+reward_model.reward_kwargs.format_score=0.1"], "no dapo-megatron equivalent"),
     (["actor_rollout_ref.actor.megatron.dtype=int8"], "bfloat16"),
     (["actor_rollout_ref.actor.megatron.router_replay.mode=R4"], "actor.router_replay"),
+    (["actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml"], "rollout.tools"),
 ]
 
 
