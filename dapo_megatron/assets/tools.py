@@ -45,7 +45,8 @@ def tool_corpus() -> list[str]:
     return lines
 
 
-def conversation_ids(tokenizer, a: int, b: int, tool_message: str | None = None) -> tuple[list[int], list[int]]:
+def conversation_ids(tokenizer, a: int, b: int,
+                     tool_message: str | None = None) -> tuple[list[int], list[int], list[int]]:
     """(prompt ids, response ids, response loss mask) of the reference two-turn conversation."""
     prompt = tokenizer.encode(tokenizer.apply_chat_template(tool_task.prompt_messages(a, b), tokenize=False,
                                                             add_generation_prompt=True), add_special_tokens=False)

@@ -194,13 +194,13 @@ class Engine:
             live.group.finish_reasons[i] = str(c.finish_reason)
             if self.return_routes:  # [prompt + response - 1, layers, k], compact for the trip
                 live.group.routed_experts[i] = self._routes(c.routed_experts)
-            parsed = self._tools.calls(live.conversations[i]) if live.conversations and c.finish_reason == "stop" \
-                else None
+            conv = live.conversations[i] if live.conversations else None
+            parsed = self._tools.calls(conv) if conv is not None and c.finish_reason == "stop" else None
             if parsed is None:
                 self._finish_child(group_id, i)
                 continue
             live.children[i] = None  # in its tools; the next turn is a new request
-            self._tools.start(live.conversations[i], parsed,
+            self._tools.start(conv, parsed,
                               lambda ids, g=group_id, i=i: self._commands.put(
                                   (lambda: self._next_turn(g, i, ids), Future())))
 
