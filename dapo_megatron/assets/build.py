@@ -180,7 +180,7 @@ def _build_into(root: Path, *, seed: int, warmup_steps: int, log: Callable[[str]
 def _build_model(kind: str, model_dir: Path, tokenizer_dir: Path, tokenizer, *, seed: int,
                  warmup_steps: int) -> dict[str, Any]:
     """Random-init `kind`, warm it up on the train pairs, save it with the tokenizer files."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
     ids = special_token_ids(tokenizer)
     with _quiet_progress_bars():
         build_tiny_model(kind, str(model_dir), vocab_size=len(tokenizer), seed=seed, special_token_ids=ids)
@@ -190,12 +190,18 @@ def _build_model(kind: str, model_dir: Path, tokenizer_dir: Path, tokenizer, *, 
         stats.update(_warm_up(model, tokenizer, seed=seed, max_steps=warmup_steps))
         with _quiet_progress_bars():
             model.save_pretrained(str(model_dir), safe_serialization=True)
+    finish_model_dir(model_dir, tokenizer_dir, ids)
+    return stats
+
+
+def finish_model_dir(model_dir: Path, tokenizer_dir: Path, ids: dict[str, int]) -> None:
+    """Generation config and tokenizer files beside the weights: each model dir is self-contained."""
+    from transformers import GenerationConfig
     # Qwen2.5-Instruct stops on either end token; vLLM reads this list from generation_config.
     GenerationConfig(bos_token_id=ids["bos_token_id"], pad_token_id=ids["pad_token_id"],
                      eos_token_id=[ids["eos_token_id"], ids["pad_token_id"]]).save_pretrained(str(model_dir))
     for f in sorted(tokenizer_dir.iterdir()):
         shutil.copy2(f, model_dir / f.name)
-    return stats
 
 
 def _warm_up(model, tokenizer, *, seed: int, max_steps: int) -> dict[str, Any]:

@@ -112,7 +112,9 @@ def tool_accuracy(model, tokenizer, pairs, *, samples_per_pair: int = 4, tempera
 
 def build_tool_bundle(root: Path, *, seed: int, warmup_steps: int, log: Callable[[str], None]) -> dict[str, Any]:
     """Tokenizer, data and warmed-up model into `root`; returns the manifest (also written)."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
+
+    from dapo_megatron.assets.build import finish_model_dir  # build.py imports this module lazily
     start = time.perf_counter()
     tokenizer = build_tokenizer(str(root / "tokenizer"), corpus=tool_corpus(), chat_template=TOOLS_CHAT_TEMPLATE)
     train_rows, val_rows = tool_task.make_splits(seed)
@@ -147,10 +149,7 @@ def build_tool_bundle(root: Path, *, seed: int, warmup_steps: int, log: Callable
         torch.set_num_threads(before)
         runner.close()
     model.save_pretrained(str(model_dir), safe_serialization=True)
-    GenerationConfig(bos_token_id=ids["bos_token_id"], pad_token_id=ids["pad_token_id"],
-                     eos_token_id=[ids["eos_token_id"], ids["pad_token_id"]]).save_pretrained(str(model_dir))
-    for f in sorted((root / "tokenizer").iterdir()):
-        (model_dir / f.name).write_bytes(f.read_bytes())
+    finish_model_dir(model_dir, root / "tokenizer", ids)
     log(f"tools/{MODEL_KIND}: {stats}")
     manifest = {"asset_version": TOOLS_VERSION, "seed": seed, "warmup_steps": warmup_steps,
                 "target_accuracy": TARGET_ACCURACY, "warmup": WARMUP, "models": {MODEL_KIND: stats},
