@@ -197,6 +197,14 @@ class TrainerConfig:
 
 
 @dataclass
+class DataPlaneConfig:
+    """Where a step's rows live between engines, reward and training ranks (dapo_megatron/dataplane.py)."""
+    backend: str = "transfer_queue"
+    storage_units: int = 2  # TransferQueue SimpleStorage units (Ray actors; >= 2 per node spreads memory)
+    capacity: int = 0  # samples all units may hold; 0: unlimited
+
+
+@dataclass
 class DapoConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -206,3 +214,4 @@ class DapoConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    data_plane: DataPlaneConfig = field(default_factory=DataPlaneConfig)

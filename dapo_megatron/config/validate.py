@@ -15,6 +15,7 @@ from dapo_megatron.config.schema import DapoConfig, ParallelConfig
 from dapo_megatron.device import get_device
 from dapo_megatron.models.spec import ModelSpec
 from dapo_megatron.toolcall.parse import FORMATS
+from dapo_megatron.dataplane import BACKENDS
 from dapo_megatron.weights.transport import TRANSPORTS
 
 KeyFn = Callable[[str], str]  # a degree's name ("tp") -> the key a user changes ("actor.parallel.tp", "--tp")
@@ -37,6 +38,7 @@ CHOICES: dict[str, tuple] = {
     "rollout.name": ("vllm",),
     "rollout.sync.transport": tuple(TRANSPORTS),
     "rollout.multi_turn.format": tuple(FORMATS),
+    "data_plane.backend": BACKENDS,
 }
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb")
 # vLLM EngineArgs the engine sets itself -> the key that sets them (or why nobody may).
@@ -79,7 +81,8 @@ def _check_positive(cfg: DapoConfig) -> None:
     for key in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
                 "data.gen_batch_size", "rollout.n", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
                 "actor.max_tokens_per_microbatch", "trainer.nnodes", "trainer.n_gpus_per_node",
-                "trainer.total_epochs", "rollout.max_concurrent_per_engine", "rollout.sync.bucket_mb"):
+                "trainer.total_epochs", "rollout.max_concurrent_per_engine", "rollout.sync.bucket_mb",
+                "data_plane.storage_units"):
         value = _get(cfg, key)
         _require(value > 0, key, f"{key} must be positive, got {value}")
     steps = cfg.trainer.total_training_steps

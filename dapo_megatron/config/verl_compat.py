@@ -73,6 +73,8 @@ RENAMES: dict[str, str] = {
     _RO + "nccl_timeout": "trainer.dist_timeout_s",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_checkpoints_to_keep",
     "trainer.resume_from_path": "trainer.resume_mode",
+    "transfer_queue.num_data_storage_units": "data_plane.storage_units",
+    "transfer_queue.total_storage_size": "data_plane.capacity",
 }
 # Prefixes renamed as a whole (free-form: every key below reaches the engines).
 PREFIX_RENAMES: dict[str, str] = {_RO + "engine_kwargs.vllm.": "rollout.engine_kwargs."}
@@ -208,6 +210,8 @@ FIXED_VALUES: dict[str, tuple[str, str]] = {
     _M + "trust_remote_code": ("false", "only the model types dapo-megatron builds itself are supported"),
     _M + "lora_rank": ("0", "LoRA is not supported: the actor trains all weights"),
     _RO + "mode": ("async", "requests are always streamed to the engines"),
+    "transfer_queue.enable": ("true", "batches always move through the data plane (TransferQueue): the driver "
+                                      "handles metadata only"),
     _RO + "calculate_log_probs": ("true", "the engines always return rollout_logprobs"),
     _RO + "ignore_eos": ("false", "responses end at the end-of-sequence token"),
     _RO + "data_parallel_size": ("1", "each engine is one replica (rollout.parallel.tp x ep devices); more "
@@ -260,8 +264,8 @@ IGNORED: list[tuple[re.Pattern, str]] = [(re.compile(rx), why) for rx, why in [
     (r"^trainer\.(balance_batch|log_val_generations|rollout_data_dir|validation_data_dir|del_local_ckpt_after_load|"
      r"use_legacy_worker_impl|ray_wait_register_center_timeout)$|^ray_(init|kwargs)\..*$|^global_profiler\..*$",
      "verl's trainer, logging or Ray set-up machinery"),
-    (r"^transfer_queue\..*$",
-     "TransferQueue is not wired yet: batches move through Ray's object store, with the same results"),
+    (r"^transfer_queue\.(?!enable$|num_data_storage_units$|total_storage_size$).*$",
+     "tunes TransferQueue's controller, sampler or transport; the data plane sets them (data_plane.*)"),
     (r"^critic\..*$|^reward_model\.(?!enable$|reward_manager$|overlong_buffer\.|reward_kwargs\.).*$|"
      r"^algorithm\.(kl_ctrl\..*|gamma|lam|pf_ppo\..*|use_pf_ppo)$|^trainer\.(critic_warmup|max_critic_ckpt_to_keep)$",
      "sets a part this run does not have (no critic, no reward model, no KL in the reward)"),

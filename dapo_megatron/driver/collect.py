@@ -6,51 +6,42 @@ early_stop: prompts go to the engines as capacity frees (least-loaded engine fir
             is scored as soon as its n responses finish, and once the batch is full the requests
             still in flight are aborted. Aborted and never-submitted prompts go back to the front
             of the prompt stream, so no prompt is skipped.
-Engines are Ray actor handles with the `rollout.Engine` methods; `score` turns finished
-`RolloutGroup`s into `algo.Group`s whose payload is a `ScoredGroup`, so tests can swap the reward.
+Engines are Ray actor handles with the `rollout.Engine` methods, called with the step's
+data-plane partition: they store each group's tokens there and return `StoredGroup`s (keys and
+lengths). `score` turns those into `algo.Group`s whose payload is a `ScoredGroup` (the reward
+worker reads the responses from the data plane), so tests can swap the reward. Groups the filter
+drops are cleared from the data plane at once, the surplus when the batch is taken; aborted
+groups were never stored. `driver/bytes` counts what the driver received from engines and reward.
 """
 from __future__ import annotations
 
 import itertools
+import pickle
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Sequence
 
 import ray
 import torch
 
 from dapo_megatron.algo import DynamicSampler, Group
-from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.data.dataset import PromptDataset, PromptItem
 from dapo_megatron.data.sampler import PromptSampler
-from dapo_megatron.rollout.types import RolloutGroup, Sampling
+from dapo_megatron.dataplane import DataPlane, StepBatch
+from dapo_megatron.rollout.types import Sampling, StoredGroup
 
 
 @dataclass
 class ScoredGroup:
-    """What a group carries from scoring to the batch: its prompt, its n responses, their rewards."""
+    """What a group carries from scoring to the batch: its prompt, its n responses' keys and
+    lengths, their rewards."""
     item: PromptItem
-    rollout: RolloutGroup
+    rollout: StoredGroup
     scores: torch.Tensor  # [n] shaped reward
     acc: torch.Tensor  # [n] bool
 
-    def samples(self, group: int) -> Iterator[dict]:
-        """One `RolloutBatch.from_samples` row per response; `group`: this group's position in the step.
-        `loss_mask` from multi-turn rollouts (tool tokens out); else every token counts (the default)."""
-        r = self.rollout
-        for j, response in enumerate(r.responses):
-            sample = dict(prompts=r.prompt, responses=response, rollout_logprobs=r.rollout_logprobs[j],
-                          finish_reasons=r.finish_reasons[j], group=group, prompt_index=self.item.index,
-                          scores=float(self.scores[j]), acc=bool(self.acc[j]))
-            if r.loss_masks:
-                sample["loss_mask"] = r.loss_masks[j]
-            routes = r.route_positions(j)
-            if routes is not None:
-                sample["routed_experts"] = routes
-            yield sample
 
-
-ScoreFn = Callable[[Sequence[PromptItem], Sequence[RolloutGroup]], list[Group[ScoredGroup]]]
+ScoreFn = Callable[[Sequence[PromptItem], Sequence[StoredGroup]], list[Group[ScoredGroup]]]
 
 
 @dataclass
@@ -59,24 +50,48 @@ class Collected:
     metrics: dict[str, float]
 
 
-def _tokens(groups: Sequence[Group | RolloutGroup]) -> int:
+def _tokens(groups: Sequence[Group | StoredGroup]) -> int:
     rollouts = [g.payload.rollout if isinstance(g, Group) else g for g in groups]
-    return sum(len(r) for g in rollouts for r in g.responses)
+    return sum(sum(g.response_lengths) for g in rollouts)
+
+
+def _keys(groups: Sequence[Group]) -> list[str]:
+    return [k for g in groups for k in g.payload.rollout.keys]
+
+
+def received(obj) -> int:
+    """Bytes of a result the driver got (its pickle: what Ray moved into this process)."""
+    return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
 def _split(items: list, parts: int) -> list[list]:
     return [items[i::parts] for i in range(parts)]
 
 
+@dataclass
+class Store:
+    """Where a collection's rows go: the step's data-plane partition, and the driver's client of
+    the data plane (metadata calls only: clearing dropped groups); None in tests without one."""
+    partition: str
+    plane: DataPlane | None = None
+
+    def clear(self, keys: list[str] | None = None) -> None:
+        """Drop `keys` (None: the whole partition) from the data plane."""
+        if self.plane is not None and (keys is None or keys):
+            self.plane.clear(self.partition, keys)
+
+
 def collect_sync(engines: list, dataset: PromptDataset, prompts: PromptSampler, sampler: DynamicSampler,
-                 score: ScoreFn, sampling: Sampling, gen_batch_size: int) -> Collected:
+                 score: ScoreFn, sampling: Sampling, gen_batch_size: int, store: Store) -> Collected:
     """Recipe rounds: generate gen_batch_size prompts on all engines, score, filter, repeat."""
-    tokens = _Tokens()
+    tokens = _Tokens(store)
     while not sampler.should_stop():
         items = [dataset[i] for i in prompts.next(gen_batch_size)]
         shards = _split(items, len(engines))
-        futures = [e.generate.remote([it.prompt for it in shard], sampling) for e, shard in zip(engines, shards)]
+        futures = [e.generate.remote([it.prompt for it in shard], sampling, store.partition)
+                   for e, shard in zip(engines, shards)]
         for shard, results in zip(shards, ray.get(futures)):
+            tokens.driver_bytes += received(results)
             if shard:
                 tokens.add(sampler, score(shard, results))
         sampler.start_round()
@@ -86,15 +101,22 @@ def collect_sync(engines: list, dataset: PromptDataset, prompts: PromptSampler, 
 @dataclass
 class _Tokens:
     """Token accounting of one collection: scored, dropped by the filter, aborted; and, for
-    multi-turn rollouts, the turns and tool calls of every scored response."""
+    multi-turn rollouts, the turns and tool calls of every scored response. Clears what the
+    filter drops from the data plane, and counts the bytes the driver received."""
+    store: Store
     scored: int = 0
     filtered: int = 0
     aborted: int = 0
+    responses: int = 0
+    driver_bytes: int = 0
     tools: dict = field(default_factory=dict)
 
     def add(self, sampler: DynamicSampler, groups: list[Group]) -> None:
         kept = sampler.add(groups, new_round=False)
+        kept_ids = {id(g) for g in kept}
+        self.store.clear(_keys([g for g in groups if id(g) not in kept_ids]))
         self.scored += _tokens(groups)
+        self.responses += sum(len(g.payload.rollout.keys) for g in groups)
         self.filtered += _tokens(groups) - _tokens(kept)
         for g in groups:
             r = g.payload.rollout
@@ -114,21 +136,27 @@ class _Tokens:
 def _finish(sampler: DynamicSampler, tokens: _Tokens) -> Collected:
     """take() the step's groups; waste = filtered (DAPO's own) + over-generation (surplus, aborts)."""
     metrics = {k.replace("dynamic_sampling/", "sampling/"): float(v) for k, v in sampler.metrics().items()}
+    before = list(sampler.buffer)
     kept = sampler.take()
+    taken = {id(g) for g in kept}
+    tokens.store.clear(_keys([g for g in before if id(g) not in taken]))  # the surplus
     generated, kept_tokens = tokens.scored + tokens.aborted, _tokens(kept)
     metrics.update({"sampling/generated_tokens": float(generated), "sampling/kept_tokens": float(kept_tokens),
                     "sampling/discarded_tokens": float(generated - kept_tokens),
                     "sampling/filtered_tokens": float(tokens.filtered),
                     "sampling/overgenerated_tokens": float(generated - kept_tokens - tokens.filtered),
-                    "sampling/aborted_tokens": float(tokens.aborted)}, **tokens.tool_metrics())
+                    "sampling/aborted_tokens": float(tokens.aborted),
+                    "driver/bytes": float(tokens.driver_bytes), "sampling/scored_responses": float(tokens.responses)},
+                   **tokens.tool_metrics())
     return Collected(kept, metrics)
 
 
 class _EarlyStop:
     """The state of one early-stop collection: what is queued, in flight, and where."""
 
-    def __init__(self, engines: list, dataset: PromptDataset, sampling: Sampling, max_concurrent_per_engine: int):
-        self.engines, self.dataset, self.sampling = engines, dataset, sampling
+    def __init__(self, engines: list, dataset: PromptDataset, sampling: Sampling, max_concurrent_per_engine: int,
+                 tokens: _Tokens):
+        self.engines, self.dataset, self.sampling, self.tokens = engines, dataset, sampling, tokens
         # Capacity in groups: an engine runs n requests per prompt.
         self.capacity = max(1, max_concurrent_per_engine // sampling.n)
         self.queued: deque[PromptItem] = deque()
@@ -147,13 +175,15 @@ class _EarlyStop:
             rid = f"g{next(self.ids)}-p{item.index}"
             self.in_flight[rid] = (e, item)
             self.load[e] += 1
-            calls.append(self.engines[e].submit.remote(rid, item.prompt, self.sampling, index=item.index))
+            calls.append(self.engines[e].submit.remote(rid, item.prompt, self.sampling, index=item.index,
+                                                       partition=self.tokens.store.partition))
         ray.get(calls)
 
-    def poll(self, timeout: float) -> list[tuple[PromptItem, RolloutGroup]]:
+    def poll(self, timeout: float) -> list[tuple[PromptItem, StoredGroup]]:
         done = []
         busy = [e for e in range(len(self.engines)) if self.load[e]]
         for results in ray.get([self.engines[e].poll.remote(timeout=timeout) for e in busy]):
+            self.tokens.driver_bytes += received(results)
             for group in results:
                 e, item = self.in_flight.pop(group.request_id)
                 self.load[e] -= 1
@@ -171,15 +201,17 @@ class _EarlyStop:
             for item, group in self.poll(timeout=0.5):
                 returned.append(item)
                 tokens += _tokens([group])
+                # one that finished before its abort arrived was stored: nobody trains on it
+                self.tokens.store.clear(group.keys)
         return returned, tokens
 
 
 def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSampler, sampler: DynamicSampler,
-                       score: ScoreFn, sampling: Sampling, gen_batch_size: int,
+                       score: ScoreFn, sampling: Sampling, gen_batch_size: int, store: Store,
                        max_concurrent_per_engine: int, poll_s: float = 0.05) -> Collected:
     """Stream prompts to the engines until train_batch_size groups are kept, then abort the rest."""
-    run = _EarlyStop(engines, dataset, sampling, max_concurrent_per_engine)
-    tokens = _Tokens()
+    tokens = _Tokens(store)
+    run = _EarlyStop(engines, dataset, sampling, max_concurrent_per_engine, tokens)
     while not sampler.is_full:
         if not run.queued and not sampler.exhausted:
             run.queued.extend(dataset[i] for i in prompts.next(gen_batch_size))
@@ -201,40 +233,54 @@ def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSam
     return result
 
 
-def groups_to_batch(groups: Sequence[Group[ScoredGroup]]) -> RolloutBatch:
-    """Kept groups -> one RolloutBatch; `group` is the group's position in this step."""
-    return RolloutBatch.from_samples([s for gid, g in enumerate(groups) for s in g.payload.samples(gid)])
+def groups_to_batch(groups: Sequence[Group[ScoredGroup]], partition: str) -> StepBatch:
+    """Kept groups -> the step's StepBatch (keys and metadata); `group` is the group's position."""
+    rows = [(gid, g.payload, j) for gid, g in enumerate(groups) for j in range(len(g.payload.rollout.keys))]
+    fields = groups[0].payload.rollout.fields + ("scores", "acc")
+    return StepBatch(partition, keys=[p.rollout.keys[j] for _, p, j in rows], group=[gid for gid, _, _ in rows],
+                     sequence_lengths=[p.rollout.prompt_length + p.rollout.response_lengths[j] for _, p, j in rows],
+                     response_lengths=[p.rollout.response_lengths[j] for _, p, j in rows],
+                     loss_tokens=[p.rollout.loss_tokens[j] for _, p, j in rows],
+                     scores=[float(p.scores[j]) for _, p, j in rows], acc=[bool(p.acc[j]) for _, p, j in rows],
+                     fields=fields)
 
 
 class RewardScorer:
-    """ScoreFn over the reward manager: decode responses, score them, group by prompt.
+    """ScoreFn over the reward worker (a Ray actor, `workers.RewardWorker`): it reads the groups'
+    responses from the data plane and scores them; the driver gets a score and an acc per response.
 
     The filter metric is `algorithm.filter_groups.metric`: `acc` uses correctness, the others the
-    shaped score. Reward metrics of all calls in a step are averaged by `pop_metrics()`.
+    shaped score. Reward metrics of all calls in a step are averaged by `pop_metrics()`, which
+    also reports the bytes the driver received from the reward worker (`driver/reward_bytes`).
     """
 
-    def __init__(self, reward, tokenizer, metric: str):
-        self.reward, self.tokenizer, self.metric = reward, tokenizer, metric
+    def __init__(self, reward, metric: str):
+        self.reward, self.metric = reward, metric
         self._metrics: list[dict] = []
         self._sums = [0.0, 0.0, 0]  # score, acc, responses: the sampled reward before filtering
+        self._bytes = 0
 
-    def __call__(self, items: Sequence[PromptItem], groups: Sequence[RolloutGroup]) -> list[Group]:
-        responses = [r for g in groups for r in g.responses]
-        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        per_response = [it for it, g in zip(items, groups) for _ in g.responses]
-        out = self.reward(texts, [it.ground_truth for it in per_response], [len(r) for r in responses],
-                          data_sources=[it.data_source for it in per_response],
-                          extra_infos=[it.extra_info for it in per_response])
-        self._metrics.append(out.metrics)
-        self._sums = [self._sums[0] + out.score.sum().item(), self._sums[1] + out.acc.sum().item(),
-                      self._sums[2] + len(responses)]
-        kept, start = [], 0
+    def __call__(self, items: Sequence[PromptItem], groups: Sequence[StoredGroup]) -> list[Group]:
+        per_response = [it for it, g in zip(items, groups) for _ in g.keys]
+        keys = [k for g in groups for k in g.keys]
+        partitions = {g.partition for g in groups}
+        if len(partitions) != 1:
+            raise ValueError(f"groups of one score call come from one partition, got {sorted(partitions)}")
+        reply = ray.get(self.reward.score.remote(
+            partitions.pop(), keys, [it.ground_truth for it in per_response],
+            [it.data_source for it in per_response], [it.extra_info for it in per_response]))
+        self._bytes += received(reply)
+        scores, acc, metrics = torch.tensor(reply[0], dtype=torch.float32), torch.tensor(reply[1]), reply[2]
+        self._metrics.append(metrics)
+        self._sums = [self._sums[0] + scores.sum().item(), self._sums[1] + acc.sum().item(),
+                      self._sums[2] + len(keys)]
+        out, start = [], 0
         for item, group in zip(items, groups):
-            sl = slice(start, start + len(group.responses))
+            sl = slice(start, start + len(group.keys))
             start = sl.stop
-            values = out.acc[sl].float() if self.metric == "acc" else out.score[sl]
-            kept.append(Group(values.tolist(), ScoredGroup(item, group, out.score[sl], out.acc[sl])))
-        return kept
+            values = acc[sl].float() if self.metric == "acc" else scores[sl]
+            out.append(Group(values.tolist(), ScoredGroup(item, group, scores[sl], acc[sl])))
+        return out
 
     def pop_metrics(self) -> dict[str, float]:
         """Reward metrics of the step: `reward/mean`, `acc/mean` over every scored response (the
@@ -245,4 +291,5 @@ class RewardScorer:
         out = {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
         if count:
             out.update({"reward/mean": score / count, "acc/mean": acc / count})
+        out["driver/reward_bytes"], self._bytes = float(self._bytes), 0
         return out

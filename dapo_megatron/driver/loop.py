@@ -1,7 +1,8 @@
 """The DAPO loop: generate -> reward -> dynamic sampling -> log-probs -> advantages -> update -> sync.
 
 `run(cfg)` is what `python -m dapo_megatron.main` calls. The driver holds the config, the prompt
-stream, counters and small per-step batches; the models live in the training ranks and engines.
+stream, counters and each step's metadata (keys, lengths, scores, advantages: `StepBatch`); the
+tokens go from the engines into the data plane, and the training ranks read their share there.
 """
 from __future__ import annotations
 
@@ -10,14 +11,14 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-import ray
+import torch
 
-from dapo_megatron.algo import DynamicSampler, compute_grpo_advantages, masked_mean, rollout_logprob_metrics
-from dapo_megatron.batch import unpad_positions
+from dapo_megatron.algo import DynamicSampler, compute_grpo_advantages
 from dapo_megatron.config import DapoConfig
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.driver import setup
-from dapo_megatron.driver.collect import Collected, RewardScorer, collect_early_stop, collect_sync, groups_to_batch
+from dapo_megatron.driver.collect import (Collected, RewardScorer, Store, collect_early_stop, collect_sync,
+                                          groups_to_batch)
 from dapo_megatron.driver.metrics import MetricsLogger
 from dapo_megatron.rollout.types import Sampling
 
@@ -35,6 +36,7 @@ class Run:
     logger: MetricsLogger
     step: int = 0
     syncs: int = 0
+    collections: int = 0  # names each collection's data-plane partition
     stop_requested: bool = False
     timing: dict = field(default_factory=dict)
 
@@ -45,49 +47,65 @@ class Run:
         self.timing[f"timing/{name}"] = time.perf_counter() - t0
 
 
-def generate(run: Run) -> Collected:
+def generate(run: Run, store: Store) -> Collected:
     cfg, ctx = run.cfg, run.ctx
     sampling = Sampling.from_config(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed + run.step)
     sampling = Sampling(**{**vars(sampling), "stop_token_ids": ctx.stop_token_ids})
-    args = (ctx.engines, ctx.train_data, run.prompts, run.sampler, run.scorer, sampling, cfg.data.gen_batch_size)
+    args = (ctx.engines, ctx.train_data, run.prompts, run.sampler, run.scorer, sampling, cfg.data.gen_batch_size,
+            store)
     if cfg.algorithm.filter_groups.mode == "early_stop":
         return collect_early_stop(*args, max_concurrent_per_engine=cfg.rollout.max_concurrent_per_engine)
     return collect_sync(*args)
 
 
 def train_step(run: Run) -> dict:
-    """One DAPO step; returns its metrics (empty if dynamic sampling kept nothing)."""
+    """One DAPO step; returns its metrics (empty if dynamic sampling kept nothing). The step's
+    rows live in one data-plane partition, cleared when the update consumed them (or failed)."""
     cfg, ctx = run.cfg, run.ctx
-    with run.timed("gen"):
-        collected = setup.as_role("rollout engine", generate, run)
-    if not collected.groups:
-        return {}
-    batch = groups_to_batch(collected.groups)
-    mask = batch.loss_mask  # [B, T]
-    with run.timed("old_logprob"):
-        columns, route_metrics = ctx.train.compute_logprobs(ray.put(batch))
-    batch.old_logprobs = columns["logprobs"]
-    if "routed_experts" in columns:  # actor.router_replay=actor: the update replays these
-        batch.routed_experts = unpad_positions(columns["routed_experts"], batch.sequence_lengths)
-    if cfg.actor.use_kl_loss:
-        with run.timed("ref"):
-            batch.ref_logprobs = ctx.train.compute_ref_logprobs(ray.put(batch))
-    # [B]: one advantage per response, every token's (the loss broadcasts it over T)
-    batch.advantages = compute_grpo_advantages(batch.scores, batch.group,
-                                               norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo)
-    with run.timed("update"):
-        metrics = ctx.train.update(ray.put(batch))
+    run.collections += 1
+    store = Store(f"step{run.step + 1}-{run.collections}", ctx.plane)
+    try:
+        with run.timed("gen"):
+            collected = setup.as_role("rollout engine", generate, run, store)
+        if not collected.groups:
+            return {}
+        step = groups_to_batch(collected.groups, store.partition)
+        # one advantage per response, every token's (the loss broadcasts it over T)
+        step.advantages = compute_grpo_advantages(torch.tensor(step.scores), torch.tensor(step.group),
+                                                  norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo).tolist()
+        with run.timed("old_logprob"):
+            written, lp_metrics = ctx.train.step_logprobs(step, "actor")
+        step.fields += tuple(written)  # old_logprobs, and the routes when the actor records them
+        if cfg.actor.use_kl_loss:
+            with run.timed("ref"):
+                written, _ = ctx.train.step_logprobs(step, "ref")
+            step.fields += tuple(written)
+        with run.timed("update"):
+            metrics = ctx.train.step_update(step)
+    finally:
+        store.clear()
     with run.timed("sync"):
         run.syncs += 1
         metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync,
                                           verify=setup.verify_due(cfg, run.syncs)))
-    metrics.update(collected.metrics, **run.scorer.pop_metrics(), **route_metrics)
-    metrics.update(rollout_logprob_metrics(batch.rollout_logprobs, batch.old_logprobs, mask))
-    metrics.update({"reward/kept_mean": batch.scores.mean().item(), "acc/kept_mean": batch.acc.float().mean().item(),
-                    "response_length/mean": batch.response_lengths.float().mean().item(),
-                    "advantages/abs_mean": masked_mean(batch.advantages.abs()[:, None].expand_as(mask), mask).item(),
-                    "driver/batch_bytes": batch.nbytes})
+    metrics.update(collected.metrics, **run.scorer.pop_metrics(), **lp_metrics)
+    metrics.update(_batch_metrics(step, metrics, ctx.plane))
     return metrics
+
+
+def _batch_metrics(step, metrics: dict, plane) -> dict:
+    """The kept batch's reward, length and advantage, from its metadata; the bytes the driver
+    received (engines' and reward worker's replies) per scored response; what the data plane
+    still holds once the step's partition is cleared (its baseline: 0)."""
+    tokens = torch.tensor(step.loss_tokens, dtype=torch.float32)
+    adv = torch.tensor(step.advantages).abs()
+    received = metrics["driver/bytes"] + metrics.pop("driver/reward_bytes", 0.0)
+    return {"reward/kept_mean": sum(step.scores) / len(step), "acc/kept_mean": sum(step.acc) / len(step),
+            "response_length/mean": sum(step.response_lengths) / len(step),
+            "advantages/abs_mean": float((adv * tokens).sum() / tokens.sum().clamp(min=1)),
+            "driver/bytes": received,
+            "driver/bytes_per_response": received / max(metrics.get("sampling/scored_responses", 1.0), 1.0),
+            "data_plane/resident_mb": plane.resident_bytes() / 2**20}
 
 
 def run(cfg: DapoConfig) -> int:
@@ -95,7 +113,7 @@ def run(cfg: DapoConfig) -> int:
     run_ = Run(cfg, ctx, PromptSampler(len(ctx.train_data), shuffle=cfg.data.shuffle, seed=cfg.data.seed),
                DynamicSampler(cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches,
                               cfg.algorithm.filter_groups.on_exhausted, cfg.algorithm.filter_groups.enable),
-               RewardScorer(ctx.reward, ctx.tokenizer, cfg.algorithm.filter_groups.metric),
+               RewardScorer(ctx.reward, cfg.algorithm.filter_groups.metric),
                MetricsLogger(ctx.out_dir, cfg.trainer.logger, project=cfg.trainer.project_name,
                              experiment=cfg.trainer.experiment_name))
     signal.signal(signal.SIGTERM, lambda *_: setattr(run_, "stop_requested", True))

@@ -15,6 +15,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from dapo_megatron import dataplane
 from dapo_megatron.config import DapoConfig, num_engines, role_devices
 from dapo_megatron.device import get_device
 from dapo_megatron.driver.workers import TrainGroup, TrainWorker
@@ -40,7 +41,10 @@ def init_ray(cfg: DapoConfig) -> None:
     if address:
         ray.init(address=address, log_to_driver=True)
     else:
-        cpus = max(os.cpu_count() or 1, cfg.trainer.n_gpus_per_node)
+        # The data plane's controller and storage units ask a CPU each and mostly wait on ZMQ:
+        # advertise them on top of the cores, or on a small machine they never get scheduled.
+        cpus = max(os.cpu_count() or 1, cfg.trainer.n_gpus_per_node) + dataplane.ray_cpus(cfg.data_plane)
+        os.environ.update(dataplane.process_env())  # local Ray's workers inherit the driver's environment
         # WARNING: Ray's own start-up INFO lines are not for the console.
         ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
 
@@ -51,8 +55,9 @@ def _options(device, pg, bundle: int, share: float) -> dict:
 
 
 def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int, *,
-          tokenizer_path: str = "") -> Placement:
-    """Create the placement group, the training ranks and the engines (not yet set up)."""
+          tokenizer_path: str = "", data_plane: dataplane.Handle | None = None) -> Placement:
+    """Create the placement group, the training ranks and the engines (not yet set up); both
+    reach the data plane through `data_plane`."""
     from dapo_megatron.rollout.actor import engine_actor
     device = get_device(cfg.trainer.device)
     devices = role_devices(cfg)
@@ -64,7 +69,7 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
     world = devices["actor"]
     run_dir = cfg.trainer.default_local_dir
     workers = [ray.remote(TrainWorker).options(**_options(device, pg, i, share)).remote(
-        cfg, model_path, spec, i, world, log_file(run_dir, f"train-rank{i}")) for i in range(world)]
+        cfg, model_path, spec, i, world, log_file(run_dir, f"train-rank{i}"), data_plane) for i in range(world)]
     first = 0 if colocated else devices["actor"]
     tp = cfg.rollout.parallel.tp
     engines = []
@@ -73,6 +78,6 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
                                     device=device.kind, name=f"{ENGINE_NAME}-{j}",
                                     log_path=log_file(run_dir, f"engine-{j}"),
                                     return_routes=cfg.actor.router_replay == "rollout",
-                                    tokenizer_path=tokenizer_path or None,
+                                    tokenizer_path=tokenizer_path or None, data_plane=data_plane,
                                     **_options(device, pg, first + j * tp, share)))
     return Placement(TrainGroup(workers), engines, pg)

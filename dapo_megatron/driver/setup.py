@@ -9,11 +9,14 @@ from typing import Callable
 
 import ray
 
+from dapo_megatron import dataplane
 from dapo_megatron.config import ConfigError, DapoConfig, check_model
 from dapo_megatron.config.schema import DataConfig, SyncConfig
 from dapo_megatron.data.dataset import PromptDataset
-from dapo_megatron.driver.collect import RewardScorer
+from dapo_megatron.driver.collect import RewardScorer, Store
 from dapo_megatron.driver.placement import Placement, init_ray, place
+from dapo_megatron.driver.workers import RewardWorker
+from dapo_megatron.logs import log_file
 from dapo_megatron.models import ModelSpec
 from dapo_megatron.weights.checksum import checksum_mismatches
 from dapo_megatron.rollout.types import Sampling
@@ -30,7 +33,8 @@ class Context:
     train_data: PromptDataset
     val_data: PromptDataset | None
     placement: Placement
-    reward: object
+    reward: object  # the RewardWorker actor
+    plane: object  # the driver's data-plane client (metadata calls: clear, resident size)
     out_dir: str
     total_steps: int
     stop_token_ids: tuple[int, ...]
@@ -65,7 +69,7 @@ def prepare(cfg: DapoConfig) -> Context:
     from transformers import AutoTokenizer
 
     from dapo_megatron.assets import resolve_asset_path
-    from dapo_megatron.reward.manager import RewardManager
+    from dapo_megatron.reward.manager import check_reward_config
     model_path = resolve_asset_path(cfg.model.path)
     try:
         spec = ModelSpec.from_pretrained(model_path)
@@ -93,15 +97,27 @@ def prepare(cfg: DapoConfig) -> Context:
     val_data = PromptDataset.from_config(data, tokenizer, "val", tools=tools) if data.val_files else None
     total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * max(
         1, len(train_data) // cfg.data.train_batch_size)
-    reward = RewardManager(cfg.reward, cfg.data.max_response_length)  # imports reward.custom_fn
+    check_reward_config(cfg.reward)  # imports reward.custom_fn: a bad one fails here, not in an actor
     init_ray(cfg)
+    handle = dataplane.start(cfg.data_plane)
     placement = place(cfg, model_path, spec, cfg.data.max_prompt_length + cfg.data.max_response_length,
-                      tokenizer_path=tokenizer_dir)
+                      tokenizer_path=tokenizer_dir, data_plane=handle)
+    reward = ray.remote(RewardWorker).options(num_cpus=0).remote(
+        _absolute_custom_fn(cfg), tokenizer_dir, handle, log_file(cfg.trainer.default_local_dir, "reward"))
     as_role("actor", placement.train.setup, total)
     stops = tuple(t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
                   if isinstance(t, int) and t >= 0)
     return Context(cfg, model_path, spec, tokenizer, train_data, val_data, placement, reward,
-                   cfg.trainer.default_local_dir, total, stops)
+                   dataplane.connect(handle), cfg.trainer.default_local_dir, total, stops)
+
+
+def _absolute_custom_fn(cfg: DapoConfig) -> DapoConfig:
+    """reward.custom_fn's file as an absolute path: the reward worker may run in another directory."""
+    path, sep, name = cfg.reward.custom_fn.rpartition(":")
+    if not sep:
+        return cfg
+    reward = dataclasses.replace(cfg.reward, custom_fn=f"{os.path.abspath(os.path.expanduser(path))}:{name}")
+    return dataclasses.replace(cfg, reward=reward)
 
 
 def _tool_schemas(cfg: DapoConfig, tokenizer, tokenizer_key: str) -> list[dict] | None:
@@ -154,13 +170,17 @@ def evaluate(run) -> dict:
     sampling = Sampling.validation(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed)
     sampling = Sampling(**{**vars(sampling), "stop_token_ids": ctx.stop_token_ids})
     shards = [items[i::len(ctx.engines)] for i in range(len(ctx.engines))]
-    results = as_role("rollout engine", lambda: ray.get(
-        [e.generate.remote([it.prompt for it in s], sampling) for e, s in zip(ctx.engines, shards)]))
-    scorer = RewardScorer(ctx.reward, ctx.tokenizer, "acc")
+    store = Store(f"val{run.step}", ctx.plane)
+    scorer = RewardScorer(ctx.reward, "acc")
     per_source: dict[str, list[float]] = {}
-    for shard, groups in zip(shards, results):
-        for g in scorer(shard, groups):
-            per_source.setdefault(g.payload.item.data_source, []).extend(g.payload.acc.float().tolist())
+    try:
+        results = as_role("rollout engine", lambda: ray.get(
+            [e.generate.remote([it.prompt for it in s], sampling, store.partition) for e, s in zip(ctx.engines, shards)]))
+        for shard, groups in zip(shards, results):
+            for g in scorer(shard, groups) if shard else []:
+                per_source.setdefault(g.payload.item.data_source, []).extend(g.payload.acc.float().tolist())
+    finally:
+        store.clear()
     values = [v for vs in per_source.values() for v in vs]
     out = {"val/acc": sum(values) / max(len(values), 1), "timing/val": time.perf_counter() - t0}
     out.update({f"val/acc/{src}": sum(vs) / len(vs) for src, vs in per_source.items()})
@@ -201,6 +221,7 @@ def resume(run) -> None:
 def shutdown(run) -> None:
     run.logger.plot()
     run.logger.close()
-    run.ctx.reward.close()
+    ray.get(run.ctx.reward.close.remote())
     for e in run.ctx.engines:
         ray.get(e.shutdown.remote())
+    dataplane.stop()

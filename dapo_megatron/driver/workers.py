@@ -2,9 +2,11 @@
 
 One `TrainWorker` per Megatron rank holds this rank's actor (and reference, when a KL term
 needs it; it shares the actor's ranks and parallel state). `TrainGroup` fans each call out to
-every rank: every rank must take part because the calls are collectives. Log-probs come back as
-each DP rank's rows and are joined here (`logprobs.assemble`); other results are the same on
-every rank and rank 0's answer is returned.
+every rank: every rank must take part because the calls are collectives. In the loop
+(`step_logprobs`, `step_update`) each rank reads the rows of its DP share from the data plane
+and writes its log-probs back there by column; only metrics come back. The whole-batch calls
+(`compute_logprobs`, `update`: tools and checks) join log-probs here (`logprobs.assemble`).
+`RewardWorker` is the reward role: responses from the data plane, scores back.
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ from typing import Optional
 
 import ray
 
-from dapo_megatron.batch import RolloutBatch
+from dapo_megatron import dataplane
+from dapo_megatron.batch import RolloutBatch, unpad_positions
 from dapo_megatron.config.schema import DapoConfig
 from dapo_megatron.logs import redirect_output
 from dapo_megatron.models import ModelSpec
@@ -22,13 +25,19 @@ from dapo_megatron.train.parallel import free_port
 from dapo_megatron.weights.transport import TRANSPORTS
 
 
+# Columns a rank reads for each pass (those the step has; advantages etc. come from StepBatch).
+LOGPROB_FIELDS = ("prompts", "responses", "loss_mask", "rollout_logprobs", "routed_experts")
+UPDATE_FIELDS = LOGPROB_FIELDS + ("old_logprobs", "ref_logprobs")
+
+
 class TrainWorker:
     def __init__(self, cfg: DapoConfig, model_path: str, spec: ModelSpec, rank: int, world_size: int,
-                 log_path: Optional[str] = None):
+                 log_path: Optional[str] = None, data_plane: Optional[dataplane.Handle] = None):
         redirect_output(log_path)  # before Megatron and torch.distributed print anything
         self.cfg, self.model_path, self.spec, self.rank, self.world_size = cfg, model_path, spec, rank, world_size
         self.actor = self.ref = self.transport = None
         self.sync_plan = None  # what this rank sends per weight sync, fixed by the first one
+        self.plane = dataplane.connect(data_plane) if data_plane is not None else None
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process group (asked of rank 0 only)."""
@@ -64,6 +73,50 @@ class TrainWorker:
 
     def update(self, batch: RolloutBatch) -> dict:
         return self.actor.update(batch)
+
+    def step_logprobs(self, step: dataplane.StepBatch, model: str = "actor") -> Optional[dict]:
+        """Log-probs of this DP rank's rows of the step by `model` (actor: `old_logprobs`, and the
+        recorded routes when the actor records them; ref: `ref_logprobs`), written to the data
+        plane by the rank that computes them. Returns, on those ranks, the columns written and
+        metrics: the rollout-vs-trainer gap over these rows (actor), with their token count."""
+        from dapo_megatron.algo import rollout_logprob_metrics
+        from dapo_megatron.train.logprobs import assemble
+        from dapo_megatron.train.microbatch import split_for_dp
+        from dapo_megatron.train.parallel import coords
+        c = coords()
+        rows = split_for_dp(step.sequence_lengths, c.dp)[c.dp_rank]
+        batch = dataplane.read_batch(self.plane, step, rows, LOGPROB_FIELDS)
+        part = (self.actor if model == "actor" else self.ref).compute_logprobs(batch, local=True)
+        if part is None:
+            return None
+        values = assemble([part])  # this rank's rows, in `rows` order
+        name = "old_logprobs" if model == "actor" else "ref_logprobs"
+        lengths = batch.response_lengths.tolist()
+        out_rows = [{name: values["logprobs"][i, :n]} for i, n in enumerate(lengths)]
+        if "routed_experts" in values:
+            for row, routes in zip(out_rows, unpad_positions(values["routed_experts"], batch.sequence_lengths)):
+                row["routed_experts"] = routes
+        self.plane.put(step.partition, [step.keys[i] for i in rows], out_rows, writer=name)
+        metrics = dict(part.metrics)
+        if model == "actor":
+            gap = rollout_logprob_metrics(batch.rollout_logprobs, values["logprobs"], batch.loss_mask)
+            metrics.update({k: float(v) for k, v in gap.items()})
+        return {"fields": list(out_rows[0]) if out_rows else [name], "metrics": metrics,
+                "tokens": int(batch.loss_mask.bool().sum())}
+
+    def step_update(self, step: dataplane.StepBatch) -> dict:
+        """The DAPO update on this rank's rows of every mini-batch, read from the data plane.
+        Its data_plane/bytes_* count what this rank read and wrote over the whole step."""
+        minis = self.actor.minibatches(step.sequence_lengths, step.loss_tokens)
+        rows = sorted({r for share, _ in minis for r in share})
+        local = {r: i for i, r in enumerate(rows)}
+        batch = dataplane.read_batch(self.plane, step, rows, UPDATE_FIELDS)
+        minis = [([local[r] for r in share], counts) for share, counts in minis]
+        metrics = self.actor.update(batch, minis, tokens=sum(step.sequence_lengths))
+        return {**metrics, **self._plane_counters()}
+
+    def _plane_counters(self) -> dict:
+        return {f"data_plane/{k}": float(v) for k, v in self.plane.pop_counters().items()}
 
     def sync_address(self) -> Optional[tuple[str, int]]:
         """Where this rank's weight-sync transport listens, or None when it needs no receivers
@@ -123,6 +176,21 @@ class TrainGroup:
     def update(self, batch_ref) -> dict:
         return self._all([w.update.remote(batch_ref) for w in self.workers])[0]
 
+    def step_logprobs(self, step: dataplane.StepBatch, model: str = "actor") -> tuple[list[str], dict]:
+        """Every rank's share of the step's log-probs by `model` goes into the data plane; returns
+        the columns written and the metrics joined over the reporting ranks (max of maxima,
+        token-weighted means)."""
+        results = self._all([w.step_logprobs.remote(step, model) for w in self.workers])
+        parts = [r for r in results if r is not None]
+        metrics = _join_rank_metrics([p["metrics"] for p in parts], [p["tokens"] for p in parts])
+        return parts[0]["fields"], metrics
+
+    def step_update(self, step: dataplane.StepBatch) -> dict:
+        """The update's metrics (rank 0's, reduced over ranks) and the step's data-plane bytes
+        per rank (read + written by the log-prob passes and the update: mean and max over ranks)."""
+        results = self._all([w.step_update.remote(step) for w in self.workers])
+        return {**{k: v for k, v in results[0].items() if not k.startswith("data_plane/")}, **_plane_metrics(results)}
+
     def push_weights(self, engines: list, bucket_mb: int, checksums: bool,
                      transport: str = "object_store") -> tuple[dict, int]:
         """Every rank sends what it owns; returns all checksums and the bytes sent per engine.
@@ -152,3 +220,56 @@ class TrainGroup:
 
     def load(self, path: str, load_optimizer: bool = True) -> dict:
         return self._all([w.load.remote(path, load_optimizer) for w in self.workers])[0]
+
+
+def _join_rank_metrics(parts: list[dict], tokens: list[int]) -> dict:
+    """Metrics of the DP ranks' rows -> the batch's: `*_max` by max, `rollout/*` by token weight,
+    the rest (the same on every rank, or already reduced) from the first."""
+    total = max(sum(tokens), 1)
+    out = dict(parts[0])
+    for key in out:
+        values = [p[key] for p in parts]
+        if key.endswith("_max"):
+            out[key] = max(values)
+        elif key.startswith("rollout/"):
+            out[key] = sum(v * n for v, n in zip(values, tokens)) / total
+    return out
+
+
+def _plane_metrics(results: list) -> dict:
+    """data_plane/bytes_get / bytes_put of one call: the mean over ranks and the largest rank's."""
+    out = {}
+    for key in ("data_plane/bytes_get", "data_plane/bytes_put"):
+        values = [(r or {}).get(key, 0.0) for r in results]
+        out[key] = sum(values) / len(values)
+        out[f"{key}_max"] = max(values)
+    return out
+
+
+class RewardWorker:
+    """The reward role: reads the responses of scored groups from the data plane, scores them
+    with the reward manager (its worker pool or service, deadlines and overlong shaping), puts
+    `scores` / `acc` back and returns them (a float and a bool per response) with its metrics."""
+
+    def __init__(self, cfg: DapoConfig, tokenizer_path: str, data_plane: dataplane.Handle,
+                 log_path: Optional[str] = None):
+        redirect_output(log_path)
+        from transformers import AutoTokenizer
+
+        from dapo_megatron.reward.manager import RewardManager
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+        self.reward = RewardManager(cfg.reward, cfg.data.max_response_length)
+        self.plane = dataplane.connect(data_plane)
+
+    def score(self, partition: str, keys: list[str], ground_truths: list[str], data_sources: list[str],
+              extra_infos: list[dict]) -> tuple[list[float], list[bool], dict]:
+        responses = [r["responses"].tolist() for r in self.plane.get(partition, keys, ["responses"])]
+        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
+        out = self.reward(texts, ground_truths, [len(r) for r in responses], data_sources=data_sources,
+                          extra_infos=extra_infos)
+        scores, acc = out.score.tolist(), out.acc.tolist()
+        self.plane.put(partition, keys, [{"scores": s, "acc": a} for s, a in zip(scores, acc)], writer="reward")
+        return scores, acc, out.metrics
+
+    def close(self) -> None:
+        self.reward.close()

@@ -66,16 +66,21 @@ def load_custom_fn(spec: str, key: str = "reward.custom_fn") -> Callable:
     return fn
 
 
+def check_reward_config(cfg: RewardConfig) -> Callable | None:
+    """The reward keys' rules, and reward.custom_fn loaded (None when unset)."""
+    if cfg.custom_fn and cfg.service_url:
+        raise ConfigError("reward.service_url", "reward.custom_fn and reward.service_url are "
+                                                "exclusive: the service runs the built-in math reward")
+    return load_custom_fn(cfg.custom_fn) if cfg.custom_fn else None
+
+
 class RewardManager:
     """`manager(responses, ground_truths, response_lengths) -> RewardOutput`; close() when done."""
 
     def __init__(self, cfg: RewardConfig, max_response_length: int):
-        if cfg.custom_fn and cfg.service_url:
-            raise ConfigError("reward.service_url", "reward.custom_fn and reward.service_url are "
-                                                    "exclusive: the service runs the built-in math reward")
+        self.custom_fn = check_reward_config(cfg)
         self.cfg = cfg
         self.max_response_length = max_response_length
-        self.custom_fn = load_custom_fn(cfg.custom_fn) if cfg.custom_fn else None
         self.backend: RewardPool | RewardClient | None = None
         if self.custom_fn is None:
             self.backend = (RewardClient(cfg.service_url) if cfg.service_url

@@ -4,14 +4,21 @@ The actor process owns the vLLM engine in-process, so buckets sent to `load_weig
 tensors from Ray's object store and go into the model without another copy. Ray calls run on
 several threads (`max_concurrency`) so that a `poll` waiting for results does not block `submit`,
 `abort` or a weight push; `Engine` serialises them onto its loop thread.
+
+Given a data plane, the actor puts each finished group's rows there (keys
+`<engine>/<request id>/<i>`, in the caller's partition) and returns a `StoredGroup`: the driver
+gets keys and lengths, never tokens.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
+from dapo_megatron.batch import Prompt
 from dapo_megatron.device import get_device
 from dapo_megatron.logs import redirect_output
 from dapo_megatron.rollout.engine import Engine
+from dapo_megatron.rollout.types import RolloutGroup, Sampling
 
 # Concurrent actor calls: poll + submit + abort + weight pushes, and with the broadcast sync
 # transport one blocking `receive_weights` per sending trainer rank (EP ranks x PP stages).
@@ -21,18 +28,67 @@ MAX_CONCURRENCY = 64
 class EngineActor(Engine):
     """`Engine` in its own process, its library output sent to `log_path` before vLLM starts."""
 
-    def __init__(self, *args, log_path: Optional[str] = None, **kwargs):
+    def __init__(self, *args, log_path: Optional[str] = None, data_plane=None, name: str = "", **kwargs):
         redirect_output(log_path)
         super().__init__(*args, **kwargs)
+        self._store = GroupStore(data_plane, name)
+
+    def submit(self, request_id: str, prompt: Prompt, sampling: Sampling, index: int = -1,
+               partition: Optional[str] = None) -> None:
+        self._store.expect(request_id, partition)
+        super().submit(request_id, prompt, sampling, index)
+
+    def poll(self, timeout: float = 0.0, max_groups: Optional[int] = None) -> list:
+        return self._store.put(super().poll(timeout, max_groups))
+
+    def generate(self, prompts: list[Prompt], sampling: Sampling, partition: Optional[str] = None) -> list:
+        groups = super().generate(prompts, sampling)
+        for g in groups:
+            self._store.expect(g.request_id, partition)
+        return self._store.put(groups)
+
+
+class GroupStore:
+    """Finished groups -> the data plane; a request submitted without a partition (or an actor
+    without a data plane) returns its RolloutGroup whole, as the bare `Engine` does."""
+
+    def __init__(self, data_plane, name: str):
+        from dapo_megatron import dataplane
+        self.plane = dataplane.connect(data_plane) if data_plane is not None else None
+        self.name = name or f"engine{os.getpid()}"
+        self.partitions: dict[str, str] = {}
+
+    def expect(self, request_id: str, partition: Optional[str]) -> None:
+        if partition is not None:
+            if self.plane is None:
+                raise ValueError("this engine has no data plane; start it with data_plane=")
+            self.partitions[request_id] = partition
+
+    def put(self, groups: list[RolloutGroup]) -> list:
+        out = []
+        for g in groups:
+            partition = self.partitions.pop(g.request_id, None)
+            if partition is None:
+                out.append(g)
+                continue
+            if g.aborted:  # nobody trains on it: only its lengths go back, nothing is stored
+                out.append(g.stored(partition, []))
+                continue
+            keys = [f"{self.name}/{g.request_id}/{j}" for j in range(len(g.responses))]
+            self.plane.put(partition, keys, g.rows(), writer="rollout")
+            out.append(g.stored(partition, keys))
+        return out
 
 
 def engine_actor(model_path: str, cfg, *, dtype: str = "bf16", max_model_len: int = 4096,
                  device: str = "auto", name: Optional[str] = None, log_path: Optional[str] = None,
-                 return_routes: bool = False, tokenizer_path: Optional[str] = None, **ray_options):
+                 return_routes: bool = False, tokenizer_path: Optional[str] = None, data_plane=None,
+                 **ray_options):
     """Start one engine actor; returns its handle (methods as on `Engine`, called with .remote()).
 
     ray_options: the actor's resources and placement (`Device.ray_options`, a scheduling
-    strategy). log_path: where the engine's library output goes (None: the console). The device
+    strategy). log_path: where the engine's library output goes (None: the console). data_plane:
+    a `dataplane.Handle` (calls with a partition then return StoredGroups). The device
     layer's vLLM environment goes into the actor's runtime env, so it is set before vLLM is imported.
     """
     import ray
@@ -42,4 +98,4 @@ def engine_actor(model_path: str, cfg, *, dtype: str = "bf16", max_model_len: in
         options["name"] = name
     return ray.remote(EngineActor).options(**options).remote(
         model_path, cfg, dtype=dtype, max_model_len=max_model_len, device=device, log_path=log_path,
-        return_routes=return_routes, tokenizer_path=tokenizer_path)
+        return_routes=return_routes, tokenizer_path=tokenizer_path, data_plane=data_plane, name=name or "")

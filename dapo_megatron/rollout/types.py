@@ -73,3 +73,46 @@ class RolloutGroup:
     @property
     def aborted(self) -> bool:
         return "abort" in self.finish_reasons
+
+    def rows(self) -> list[dict]:
+        """One data-plane row per response (batch.FIELDS names): its tokens, log-probs, and the
+        loss mask (multi-turn) and routes (engine routes) when the group has them."""
+        out = []
+        for j, response in enumerate(self.responses):
+            row = dict(prompts=self.prompt, responses=response, rollout_logprobs=self.rollout_logprobs[j])
+            if self.loss_masks:
+                row["loss_mask"] = self.loss_masks[j]
+            routes = self.route_positions(j)
+            if routes is not None:
+                row["routed_experts"] = routes
+            out.append(row)
+        return out
+
+    def stored(self, partition: str, keys: list[str]) -> "StoredGroup":
+        """What the driver sees of this group once its rows are in the data plane."""
+        masks = self.loss_masks or [[1] * len(r) for r in self.responses]
+        return StoredGroup(self.request_id, self.index, partition, keys, len(self.prompt),
+                           [len(r) for r in self.responses], [int(sum(m)) for m in masks],
+                           list(self.finish_reasons), list(self.turns), dict(self.tool_stats),
+                           tuple(self.rows()[0]) if self.responses else ())
+
+
+@dataclass
+class StoredGroup:
+    """A finished group whose tokens are in the data plane: keys and per-response metadata only,
+    so what an engine returns to the driver does not grow with the response length."""
+    request_id: str
+    index: int
+    partition: str
+    keys: list[str]  # [n] data-plane keys of its responses
+    prompt_length: int
+    response_lengths: list[int]  # [n]
+    loss_tokens: list[int]  # [n] tokens the loss sees (the response length unless tool turns)
+    finish_reasons: list[str]
+    turns: list[int] = field(default_factory=list)
+    tool_stats: dict = field(default_factory=dict)
+    fields: tuple[str, ...] = ()  # the columns stored per response
+
+    @property
+    def aborted(self) -> bool:
+        return "abort" in self.finish_reasons

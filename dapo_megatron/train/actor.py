@@ -6,9 +6,10 @@
     batch.old_logprobs = assemble(rows of every rank)["logprobs"]
     metrics = actor.update(batch)                # needs old_logprobs, advantages (+ ref_logprobs)
 
-Every rank is called with the same full batch; each DP rank trains on its share (see
-`microbatch.split_for_dp`). Log-probs come back as each DP rank's rows (`logprobs.Rows`);
-metrics are reduced, and every rank returns the same.
+Every rank is called with the same full batch and each DP rank trains on its share (see
+`microbatch.split_for_dp`), or (`local=True` / `minis`) with only the rows of its share, read
+from the data plane. Log-probs come back as each DP rank's rows (`logprobs.Rows`); metrics are
+reduced, and every rank returns the same.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.algo import agg_loss, compute_policy_loss, kl_penalty, loss_normalizer_counts
+from dapo_megatron.algo import agg_loss, compute_policy_loss, kl_penalty
 from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.config.schema import ActorConfig
 from dapo_megatron.models import ModelSpec
@@ -87,15 +88,26 @@ class Actor:
         """The bare GPTModel chunks (for weight export; same parameters as the DDP-wrapped model)."""
         return [m.module for m in self.model]
 
-    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False) -> lp.Rows | None:
+    def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False, local: bool = False) -> lp.Rows | None:
         """This rank's rows of the response tokens' log-probs (and entropy) [n, T], or None on a
         rank that reports none (see `logprobs.compute_logprobs`)."""
         return lp.compute_logprobs(self.model, self.spec.arch, batch, max_tokens=self.cfg.max_tokens_per_microbatch,
                                    vocab_size=self.spec.vocab_size, temperature=self.temperature,
-                                   with_entropy=with_entropy, routes=self.routes)
+                                   with_entropy=with_entropy, routes=self.routes, local=local)
 
-    def update(self, batch: RolloutBatch) -> dict:
-        """ppo_epochs x mini-batches of ppo_mini_batch_size * n responses; one optimizer step each."""
+    def minibatches(self, sequence_lengths: list[int], loss_tokens: list[int]) -> list[tuple[list[int], tuple[int, int]]]:
+        """This DP rank's rows of each mini-batch (ppo_mini_batch_size * n responses) of a batch
+        with these lengths, with the mini-batch's global loss normalisers (`microbatch.minibatch_shares`)."""
+        from dapo_megatron.train.parallel import coords
+        c = coords()
+        return mb.minibatch_shares(sequence_lengths, loss_tokens, self.cfg.ppo_mini_batch_size * self.n, c.dp, c.dp_rank)
+
+    def update(self, batch: RolloutBatch, minis: list | None = None, tokens: int | None = None) -> dict:
+        """ppo_epochs x mini-batches of ppo_mini_batch_size * n responses; one optimizer step each.
+
+        Without `minis` every rank holds the whole batch; with them `batch` holds this rank's rows
+        only and `minis` lists, per mini-batch, its rows in `batch` and the global normalisers
+        (`minibatches`, mapped to `batch`). `tokens`: the whole batch's, for actor/tokens_per_s."""
         if batch.old_logprobs is None or batch.advantages is None:
             raise ValueError("Actor.update needs batch.old_logprobs (from compute_logprobs) and batch.advantages")
         if self.cfg.use_kl_loss and batch.ref_logprobs is None:
@@ -103,20 +115,22 @@ class Actor:
                              "reference model or set actor.use_kl_loss=false")
         start = time.perf_counter()
         self.scheduler.step(1)  # warm-up counts RL steps; step 1 trains with lr / warmup, not 0
-        mini = self.cfg.ppo_mini_batch_size * self.n
+        if minis is None:
+            minis = self.minibatches(batch.sequence_lengths, batch.loss_mask.bool().sum(1).tolist())
         steps = []
         for _ in range(self.cfg.ppo_epochs):
-            for s in range(0, len(batch), mini):
-                steps.append(self._train_minibatch(batch.select(list(range(s, min(s + mini, len(batch)))))))
-        tokens = sum(batch.sequence_lengths) * self.cfg.ppo_epochs
+            for rows, counts in minis:
+                steps.append(self._train_minibatch(batch.select(rows), counts))
+        tokens = (tokens if tokens is not None else sum(batch.sequence_lengths)) * self.cfg.ppo_epochs
         metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["actor/tokens_per_s"] = tokens / (time.perf_counter() - start)
         return metrics
 
-    def _train_minibatch(self, batch: RolloutBatch) -> dict:
-        counts = loss_normalizer_counts(batch.loss_mask)  # every rank holds the whole mini-batch
-        _, plan = lp.plan_for_rank(batch, self.cfg.max_tokens_per_microbatch)
+    def _train_minibatch(self, batch: RolloutBatch, counts: tuple[int, int]) -> dict:
+        """One optimizer step on this rank's rows of a mini-batch; `counts`: the mini-batch's
+        (loss tokens, samples) over every DP rank (the token-level loss divides by them)."""
+        plan = lp.plan_for_rank(batch, self.cfg.max_tokens_per_microbatch, local=True)
         micros = mb.materialize(batch, plan)
         for chunk in self.model:
             chunk.train()

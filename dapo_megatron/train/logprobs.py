@@ -110,17 +110,18 @@ def forward_backward(chunks: list, arch, micros: list[mb.MicroBatch], loss_fn: C
         seq_length=seq_len, micro_batch_size=micros[0].tokens.shape[0], forward_only=forward_only)
 
 
-def plan_for_rank(batch: RolloutBatch, max_tokens: int) -> tuple[list[list[int]], mb.Plan]:
-    """(every DP rank's share, this rank's harmonised micro-batch plan)."""
+def plan_for_rank(batch: RolloutBatch, max_tokens: int, local: bool = False) -> mb.Plan:
+    """This rank's harmonised micro-batch plan: over its DP share of `batch`, or over all of
+    `batch` when it holds only this rank's rows (`local`: read from the data plane)."""
     from dapo_megatron.train.parallel import coords, group
     c = coords()
-    shares = mb.split_for_dp(batch.sequence_lengths, c.dp)
-    plan = mb.plan_microbatches(batch, shares[c.dp_rank], max_tokens, c.tp)
+    share = list(range(len(batch))) if local else mb.split_for_dp(batch.sequence_lengths, c.dp)[c.dp_rank]
+    plan = mb.plan_microbatches(batch, share, max_tokens, c.tp)
     # EP dispatch is a collective across DP shares: same count and shapes on all DP ranks.
     dp_group = group("dp") if c.ep > 1 else None
     # The interleaved schedule needs M >= PP and M % PP in {0, >= PP}: pad to a multiple of PP.
     interleaved = c.vpp > 1
-    return shares, mb.harmonize(plan, dp_group, min_count=c.pp if interleaved else 0,
+    return mb.harmonize(plan, dp_group, min_count=c.pp if interleaved else 0,
                                 count_multiple=c.pp if interleaved else 1, seq_multiple=c.tp)
 
 
@@ -150,7 +151,7 @@ def assemble(parts: Iterable[Optional[Rows]]) -> dict[str, torch.Tensor]:
 
 def compute_logprobs(chunks: list, arch, batch: RolloutBatch, *, max_tokens: int, vocab_size: int,
                      temperature: float = 1.0, with_entropy: bool = False,
-                     routes: Optional[routing.Routes] = None) -> Optional[Rows]:
+                     routes: Optional[routing.Routes] = None, local: bool = False) -> Optional[Rows]:
     """Log-probs (and entropy, `with_entropy`) [n, T] of the response tokens of this DP rank's
     share, 0 on padding positions, as Rows on the rank that reports them (last pipeline stage,
     TP / CP rank 0); None elsewhere. A collective over the whole world.
@@ -158,9 +159,10 @@ def compute_logprobs(chunks: list, arch, batch: RolloutBatch, *, max_tokens: int
     `routes` (MoE actors with routing replay): replay `batch.routed_experts` when it has them,
     measure how often the router agrees with them (Rows.metrics), or record the router's choices
     (Rows.values["routed_experts"], [n, S, layers, k] with S the batch's longest sequence).
+    `local`: `batch` holds only this DP rank's rows (see `plan_for_rank`).
     """
     from dapo_megatron.train.parallel import coords
-    _, plan = plan_for_rank(batch, max_tokens)
+    plan = plan_for_rank(batch, max_tokens, local)
     micros = mb.materialize(batch, plan)
 
     def loss_fn(micro, output):

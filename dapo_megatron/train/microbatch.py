@@ -36,6 +36,18 @@ def split_for_dp(lengths: list[int], dp: int) -> list[list[int]]:
     return [sorted(s) for s in shares]
 
 
+def minibatch_shares(sequence_lengths: list[int], loss_tokens: list[int], mini_size: int, dp: int,
+                     dp_rank: int) -> list[tuple[list[int], tuple[int, int]]]:
+    """Per mini-batch of `mini_size` consecutive samples: (the samples DP rank `dp_rank` trains
+    on, the mini-batch's (loss tokens, samples) over all ranks: the loss's global normalisers)."""
+    out = []
+    for start in range(0, len(sequence_lengths), mini_size):
+        rows = list(range(start, min(start + mini_size, len(sequence_lengths))))
+        share = split_for_dp([sequence_lengths[i] for i in rows], dp)[dp_rank]
+        out.append(([rows[i] for i in share], (sum(loss_tokens[i] for i in rows), len(rows))))
+    return out
+
+
 def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

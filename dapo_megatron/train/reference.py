@@ -50,13 +50,13 @@ class Reference:
         if self.device.is_accelerator:
             move_params(self.chunks, self.home)
 
-    def compute_logprobs(self, batch: RolloutBatch) -> lp.Rows | None:
+    def compute_logprobs(self, batch: RolloutBatch, local: bool = False) -> lp.Rows | None:
         """This rank's rows of the response tokens' log-probs under the reference model (see
         `logprobs.compute_logprobs`)."""
         self.onload()
         try:
             return lp.compute_logprobs(self.chunks, self.spec.arch, batch, max_tokens=self.max_tokens,
-                                       vocab_size=self.spec.vocab_size, temperature=self.temperature)
+                                       vocab_size=self.spec.vocab_size, temperature=self.temperature, local=local)
         finally:
             if self.cfg.offload:
                 self.offload()

@@ -1,5 +1,6 @@
-"""Both dynamic-sampling modes on a real vLLM-CPU engine actor: the kept batch has exactly
-train_batch_size groups, degenerate groups are dropped, and no prompt is lost across an abort."""
+"""Both dynamic-sampling modes on a real vLLM-CPU engine actor with the data plane: the kept batch
+has exactly train_batch_size groups, degenerate groups are dropped, no prompt is lost across an
+abort, the data plane holds exactly the kept rows, and the driver gets metadata only."""
 from __future__ import annotations
 
 import pytest
@@ -16,17 +17,20 @@ def env(tiny_assets):
     ray = pytest.importorskip("ray")
     from transformers import AutoTokenizer
 
-    from dapo_megatron.config.schema import RolloutConfig
+    from dapo_megatron import dataplane
+    from dapo_megatron.config.schema import DataPlaneConfig, RolloutConfig
     from dapo_megatron.data.dataset import PromptDataset
     from dapo_megatron.rollout.actor import engine_actor
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_assets / "tokenizer"))
     dataset = PromptDataset([str(tiny_assets / "data" / "train.parquet")], tokenizer, prompt_key="prompt",
                             max_prompt_length=64, truncation="filter", skip_bad_rows=False)
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=2 + dataplane.ray_cpus(DataPlaneConfig()), include_dashboard=False, log_to_driver=False)
+    handle = dataplane.start(DataPlaneConfig())
     engine = engine_actor(str(tiny_assets / "qwen3_moe"), RolloutConfig(enforce_eager=True), dtype="fp32",
-                          max_model_len=512, device="cpu", num_cpus=1)
-    yield dataset, engine
+                          max_model_len=512, device="cpu", num_cpus=1, data_plane=handle)
+    yield dataset, engine, dataplane.connect(handle)
     ray.get(engine.shutdown.remote())
+    dataplane.stop()
     ray.shutdown()
 
 
@@ -52,19 +56,26 @@ def half_degenerate(items, groups):
     from dapo_megatron.driver.collect import ScoredGroup
     out = []
     for item, group in zip(items, groups):
-        n = len(group.responses)
+        n = len(group.keys)
         acc = torch.ones(n) if item.index % 2 == 0 else (torch.arange(n) % 2).float()
         out.append(Group(acc.tolist(), ScoredGroup(item, group, acc * 2 - 1, acc.bool())))
     return out
 
 
-def _check_kept(result):
+def _check_kept(result, plane, partition):
+    """The kept batch, and the data plane holding its rows and nothing else (filtered and aborted
+    groups cleared at once); the driver received metadata only: tens of bytes per response."""
+    from dapo_megatron.dataplane import read_batch
     from dapo_megatron.driver.collect import groups_to_batch
     assert len(result.groups) == TRAIN
     assert all(g.payload.item.index % 2 == 1 for g in result.groups)
-    batch = groups_to_batch(result.groups)
-    assert len(batch) == TRAIN * N and batch.group.tolist() == [i // N for i in range(TRAIN * N)]
-    assert batch.rollout_logprobs.shape[0] == TRAIN * N and batch.scores.shape == (TRAIN * N,)
+    step = groups_to_batch(result.groups, partition)
+    assert len(step) == TRAIN * N and step.group == [i // N for i in range(TRAIN * N)]
+    assert sorted(plane._tq.kv_list(partition).get(partition, {})) == sorted(step.keys)
+    batch = read_batch(plane, step, list(range(len(step))), ["prompts", "responses", "rollout_logprobs"])
+    assert batch.response_lengths.tolist() == [s - len(p) for s, p in zip(step.sequence_lengths, batch.prompts)]
+    assert result.metrics["driver/bytes"] / result.metrics["sampling/scored_responses"] < 400
+    plane.clear(partition)
     return batch
 
 
@@ -72,12 +83,13 @@ def test_sync_mode_keeps_exactly_train_batch_size(env):
     from dapo_megatron.algo import DynamicSampler
     from dapo_megatron.driver.collect import collect_sync
     from dapo_megatron.rollout.types import Sampling
-    dataset, engine = env
+    from dapo_megatron.driver.collect import Store
+    dataset, engine, plane = env
     prompts = RecordingSampler(len(dataset))
     sampler = DynamicSampler(TRAIN, max_num_gen_batches=10)
     result = collect_sync([engine], dataset, prompts, sampler, half_degenerate,
-                          Sampling(n=N, temperature=1.0, max_tokens=8, seed=0), GEN)
-    _check_kept(result)
+                          Sampling(n=N, temperature=1.0, max_tokens=8, seed=0), GEN, Store("sync", plane))
+    _check_kept(result, plane, "sync")
     assert len(prompts.served) == GEN * result.metrics["sampling/num_gen_batches"]
     assert result.metrics["sampling/discarded_tokens"] > 0  # the even groups were generated and dropped
 
@@ -86,7 +98,8 @@ def test_early_stop_aborts_and_returns_every_unused_prompt(env):
     from dapo_megatron.algo import DynamicSampler
     from dapo_megatron.driver.collect import collect_early_stop
     from dapo_megatron.rollout.types import Sampling
-    dataset, engine = env
+    from dapo_megatron.driver.collect import Store
+    dataset, engine, plane = env
     prompts = RecordingSampler(len(dataset))
     sampler = DynamicSampler(TRAIN, max_num_gen_batches=10)
     seen = []
@@ -98,9 +111,9 @@ def test_early_stop_aborts_and_returns_every_unused_prompt(env):
     # A small concurrency and stop tokens that end responses at random lengths: groups finish at
     # different times, so some are still in flight when the batch fills and must be aborted.
     sampling = Sampling(n=N, temperature=1.0, max_tokens=48, seed=0, stop_token_ids=tuple(range(100, 130)))
-    result = collect_early_stop([engine], dataset, prompts, sampler, scorer, sampling, GEN,
+    result = collect_early_stop([engine], dataset, prompts, sampler, scorer, sampling, GEN, Store("early", plane),
                                 max_concurrent_per_engine=4 * N)
-    _check_kept(result)
+    _check_kept(result, plane, "early")
     pushed = prompts.inner.state_dict()["pushed_back"]
     # Every prompt served is either scored (kept or filtered) or back in the stream, never both.
     assert sorted(seen + pushed) == sorted(prompts.served)

@@ -114,30 +114,3 @@ def test_manager_rejects_mismatched_inputs_and_exclusive_keys(custom_file):
         RewardManager(RewardConfig(custom_fn=f"{custom_file}:compute_score", service_url="http://127.0.0.1:1"),
                       max_response_length=10)
     assert e.value.key == "reward.service_url"
-
-
-def test_scorer_gives_the_rows_extra_info_to_a_custom_reward(tmp_path, tiny_assets):
-    """verl's reward contract: the dataset row's extra_info reaches compute_score (it was parsed
-    and then dropped on the way before)."""
-    from transformers import AutoTokenizer
-
-    from dapo_megatron.batch import Prompt
-    from dapo_megatron.data.dataset import PromptItem
-    from dapo_megatron.driver.collect import RewardScorer, groups_to_batch
-    from dapo_megatron.rollout.types import RolloutGroup
-    path = tmp_path / "r.py"
-    path.write_text("def fn(data_source, solution_str, ground_truth, extra_info):\n"
-                    "    return {'score': float(extra_info['weight']), 'acc': extra_info['weight'] > 1}\n")
-    tokenizer = AutoTokenizer.from_pretrained(tiny_assets / "tokenizer")
-    items = [PromptItem(i, Prompt((1, 2)), [], "3", "tiny_add", {"weight": w}, f"row {i}")
-             for i, w in enumerate((0.5, 2.0))]
-    groups = [RolloutGroup(f"g{i}", i, [1, 2], [[5], [6, 7]], [[-0.1], [-0.2, -0.3]], ["stop", "length"])
-              for i in range(2)]
-    with RewardManager(RewardConfig(custom_fn=f"{path}:fn"), max_response_length=8) as manager:
-        scored = RewardScorer(manager, tokenizer, "acc")(items, groups)
-    assert [g.payload.scores.tolist() for g in scored] == [[0.5, 0.5], [2.0, 2.0]]
-    assert [g.metric_values for g in scored] == [[0.0, 0.0], [1.0, 1.0]]
-    batch = groups_to_batch(scored)
-    assert batch.scores.tolist() == [0.5, 0.5, 2.0, 2.0] and batch.group.tolist() == [0, 0, 1, 1]
-    assert batch.finish_reasons == ["stop", "length"] * 2 and batch.loss_mask.tolist() == [[1, 0], [1, 1]] * 2
-    torch.testing.assert_close(batch.rollout_logprobs, torch.tensor([[-0.1, 0.0], [-0.2, -0.3]] * 2))

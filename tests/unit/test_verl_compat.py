@@ -73,6 +73,8 @@ TRANSLATED = [
     (["+actor_rollout_ref.actor.mindspeed.router_replay.mode=R3"], "actor.router_replay", "rollout"),
     (["actor_rollout_ref.rollout.multi_turn.enable=True"], "rollout.multi_turn.enable", True),
     (["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5"], "rollout.multi_turn.max_turns", 5),
+    (["++transfer_queue.num_data_storage_units=4"], "data_plane.storage_units", 4),
+    (["++transfer_queue.enable=True"], "data_plane.backend", "transfer_queue"),
 ]
 
 
@@ -141,7 +143,7 @@ IGNORED = ["actor_rollout_ref.actor.fsdp_config.param_offload=True", "+actor_rol
            "+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True",
            "actor_rollout_ref.actor.megatron.vanilla_mbridge=False",
            "+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True",
-           "actor_rollout_ref.rollout.max_model_len=22528", "++transfer_queue.enable=True",
+           "actor_rollout_ref.rollout.max_model_len=22528", "++transfer_queue.controller.polling_mode=True",
            "+data.min_response_length=4096", "trainer.log_val_generations=10",
            "algorithm.rollout_correction.rollout_is_threshold=2.0"]  # no effect without rollout_is
 
@@ -173,6 +175,7 @@ REFUSED = [
     (["actor_rollout_ref.actor.megatron.dtype=int8"], "bfloat16"),
     (["actor_rollout_ref.actor.megatron.router_replay.mode=R4"], "actor.router_replay"),
     (["actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml"], "rollout.tools"),
+    (["++transfer_queue.enable=False"], "data plane"),
 ]
 
 

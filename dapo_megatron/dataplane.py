@@ -1,0 +1,194 @@
+"""The data plane: a step's rows, by key and field, between the processes that make and read them.
+
+Engines put each finished response's tokens (`prompts`, `responses`, `rollout_logprobs`, and
+`loss_mask` / `routed_experts` when they have them); the reward worker reads `responses` and puts
+`scores` / `acc`; each training rank reads the rows of its DP share and the columns it needs, and
+puts `old_logprobs` / `ref_logprobs` (and recorded routes) back by column. The driver sees keys
+and small per-response metadata only (`StepBatch`), and clears a step's partition when the update
+consumed it. This is the one module that knows TransferQueue (`transfer_queue` on PyPI): its
+controller and SimpleStorage units (Ray actors, ZMQ between processes), through its KV interface.
+
+Values are stored per `batch.FIELDS` row: sample fields as [n] tensors, sequence / token /
+position fields as jagged nested tensors of each response's own length (token fields unpadded),
+so nothing is padded or stored twice; `read_batch` turns a rank's rows back into a RolloutBatch.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+from dapo_megatron.batch import FIELDS, SAMPLE, RolloutBatch
+
+BACKENDS = ("transfer_queue",)
+_BYTES_TAG = "bytes/"  # tags "bytes/<writer>": what each writer stored for a key (resident size)
+
+
+def process_env(physical_cores: int | None = None) -> dict[str, str]:
+    """Environment for every process that talks to the data plane: TransferQueue logs a warning
+    on every call when its thread count exceeds the cores, and that is not for the console."""
+    import psutil
+    cores = physical_cores or psutil.cpu_count(logical=False) or 1
+    return {"TQ_LOGGING_LEVEL": "ERROR", "TQ_NUM_THREADS": str(min(8, cores))}
+
+
+def ray_cpus(cfg) -> int:
+    """Ray CPUs the data plane's actors ask for (controller + storage units, mostly idle on ZMQ):
+    a local Ray is started advertising these on top of the machine's cores."""
+    return 1 + cfg.storage_units
+
+
+@dataclass(frozen=True)
+class Handle:
+    """What a process needs to reach the data plane (picklable; the controller is a named actor)."""
+    backend: str = "transfer_queue"
+
+
+def start(cfg) -> Handle:
+    """Start the controller and storage units (once, in the driver, after Ray is up)."""
+    os.environ.update(process_env())
+    import transfer_queue as tq
+    logging.getLogger("transfer_queue").setLevel(logging.ERROR)
+    # A run before this one in the same process (tests, notebooks) leaves TransferQueue's module
+    # state pointing at a controller of a Ray that is gone: forget it, and our clients with it.
+    # (tq.close() gives up half-way on handles of a dead Ray, so its globals are reset here.)
+    try:
+        tq.close()
+    except Exception:  # noqa: BLE001 - whatever the stale handles raise, they are dropped
+        pass
+    import transfer_queue.interface as tq_state
+    tq_state._TQ_CLIENT = tq_state._TQ_STORAGE = tq_state._TQ_CONTROLLER = None
+    _CLIENTS.clear()
+    simple = {"num_data_storage_units": cfg.storage_units}
+    if cfg.capacity:
+        simple["total_storage_size"] = cfg.capacity
+    tq.init({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": simple}})
+    return Handle(cfg.backend)
+
+
+def stop() -> None:
+    import transfer_queue as tq
+    tq.close()
+    _CLIENTS.clear()
+
+
+_CLIENTS: dict[Handle, "DataPlane"] = {}
+
+
+def connect(handle: Handle) -> "DataPlane":
+    """This process's client (created on first use; a later call returns the same one)."""
+    if handle not in _CLIENTS:
+        _CLIENTS[handle] = DataPlane(handle)
+    return _CLIENTS[handle]
+
+
+def _nbytes(value) -> int:
+    return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
+
+
+class DataPlane:
+    """put / get / clear rows by key within a partition; counts the bytes this process moved."""
+
+    def __init__(self, handle: Handle):
+        os.environ.update({k: v for k, v in process_env().items() if k not in os.environ})
+        import transfer_queue as tq
+        logging.getLogger("transfer_queue").setLevel(logging.ERROR)
+        tq.init()  # attaches to the driver's controller
+        self._tq = tq
+        self.bytes_put = self.bytes_get = 0
+
+    def put(self, partition: str, keys: Sequence[str], rows: Sequence[dict], writer: str) -> int:
+        """Store `rows` (one dict per key: FIELDS name -> value) under `keys`; adds columns to keys
+        that exist. Returns the bytes stored. `writer` names the bytes in the keys' tags."""
+        from tensordict import TensorDict
+        if len(keys) != len(rows) or not rows:
+            raise ValueError(f"data plane put: {len(keys)} keys for {len(rows)} rows")
+        names = list(rows[0])
+        columns, sizes = {}, [0] * len(rows)
+        for name in names:
+            f = FIELDS[name]
+            if f.dtype is None:
+                raise ValueError(f"field {name!r} holds Python values: it is metadata, not data plane content")
+            values = [torch.as_tensor(r[name], dtype=f.dtype) for r in rows]
+            for i, v in enumerate(values):
+                sizes[i] += _nbytes(v)
+            columns[name] = (torch.stack(values) if f.scope == SAMPLE
+                             else torch.nested.nested_tensor(values, layout=torch.jagged))
+        tags = [{_BYTES_TAG + writer: n} for n in sizes]
+        self._tq.kv_batch_put(keys=list(keys), partition_id=partition,
+                              fields=TensorDict(columns, batch_size=len(rows)), tags=tags)
+        self.bytes_put += sum(sizes)
+        return sum(sizes)
+
+    def get(self, partition: str, keys: Sequence[str], fields: Sequence[str]) -> list[dict]:
+        """The rows of `keys`, in that order: per row, FIELDS name -> a Python scalar (sample
+        fields) or that response's tensor (sequence, token and position fields)."""
+        if not keys:
+            return []
+        data = self._tq.kv_batch_get(keys=list(keys), partition_id=partition, select_fields=list(fields))
+        rows: list[dict] = [{} for _ in keys]
+        for name in fields:
+            if name not in data.keys():
+                raise KeyError(f"data plane partition {partition!r} has no field {name!r} for keys {list(keys)[:3]}")
+            column = data[name]
+            values = column.tolist() if FIELDS[name].scope == SAMPLE else list(column.unbind())
+            if len(values) != len(keys):
+                raise RuntimeError(f"data plane get of {name!r}: {len(values)} rows for {len(keys)} keys")
+            for row, value in zip(rows, values):
+                row[name] = value
+                self.bytes_get += _nbytes(value) or 4
+        return rows
+
+    def clear(self, partition: str, keys: Optional[Sequence[str]] = None) -> None:
+        """Drop `keys` (None: every key of the partition) from the controller and the storage units."""
+        if keys is None:
+            keys = list(self._tq.kv_list(partition).get(partition, {}))
+        if keys:
+            self._tq.kv_clear(keys=list(keys), partition_id=partition)
+
+    def resident_bytes(self) -> int:
+        """Bytes the data plane holds now, over every partition (from the writers' tags)."""
+        return int(sum(v for part in self._tq.kv_list().values() for tags in part.values()
+                       for k, v in tags.items() if k.startswith(_BYTES_TAG)))
+
+    def pop_counters(self) -> dict[str, int]:
+        out = {"bytes_put": self.bytes_put, "bytes_get": self.bytes_get}
+        self.bytes_put = self.bytes_get = 0
+        return out
+
+
+@dataclass
+class StepBatch:
+    """The driver's view of a step's batch: keys and per-response metadata, never tokens.
+
+    Row i is the response stored under keys[i]; `group` numbers its prompt within the step.
+    Training ranks turn their rows into a RolloutBatch with `read_batch`.
+    """
+    partition: str
+    keys: list[str]
+    group: list[int]
+    sequence_lengths: list[int]  # prompt + response, per response (the DP split and packing use it)
+    response_lengths: list[int]
+    loss_tokens: list[int]  # tokens the loss sees per response (its loss-mask sum)
+    scores: list[float]
+    acc: list[bool]
+    fields: tuple[str, ...]  # the columns stored for every row (engine's, then ranks' write-backs)
+    advantages: list[float] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def read_batch(plane: DataPlane, step: StepBatch, rows: Sequence[int], fields: Sequence[str]) -> RolloutBatch:
+    """The RolloutBatch of `rows` of the step (in that order): `fields` from the data plane (those
+    stored), the per-response metadata (group, scores, acc, advantages) from `step`."""
+    stored = [f for f in fields if f in step.fields]
+    samples = plane.get(step.partition, [step.keys[i] for i in rows], stored)
+    for i, sample in zip(rows, samples):
+        sample.update(group=step.group[i], scores=step.scores[i], acc=step.acc[i])
+        if step.advantages:
+            sample["advantages"] = step.advantages[i]
+    return RolloutBatch.from_samples(samples)

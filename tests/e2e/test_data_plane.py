@@ -1,0 +1,247 @@
+"""The data plane (real TransferQueue on a local Ray): rows round-trip by key and field, the driver
+handles the same bytes per response whatever the response length, a training rank reads only its
+share, and dropped groups leave nothing behind.
+
+The engine here is `FakeEngine`: the real `Engine` protocol (generate / submit / poll / abort) and
+the real data-plane store of the engine actor, with random tokens of a chosen length instead of
+vLLM, so response lengths of 1024 cost nothing. The real engine is in test_collect.py.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.e2e
+
+N = 4
+
+
+class FakeEngine:
+    """Fake (no vLLM): every response is `length` random tokens; group i finishes `delay * (i % 3)`
+    seconds after submit, so early stop has requests in flight to abort."""
+
+    def __init__(self, data_plane, length: int, delay: float = 0.0):
+        from dapo_megatron.rollout.actor import GroupStore
+        self.store, self.length, self.delay = GroupStore(data_plane, "fake"), length, delay
+        self.live: dict = {}  # request id -> (due time, group)
+        self.gen = torch.Generator().manual_seed(0)
+
+    def _group(self, rid, prompt, sampling, index):
+        from dapo_megatron.rollout.types import RolloutGroup
+        responses = [torch.randint(3, 400, (self.length,), generator=self.gen).tolist() for _ in range(sampling.n)]
+        return RolloutGroup(rid, index, list(prompt.ids), responses, [[-0.5] * self.length] * sampling.n,
+                            ["length"] * sampling.n)
+
+    def generate(self, prompts, sampling, partition=None):
+        groups = [self._group(f"gen-{i}", p, sampling, i) for i, p in enumerate(prompts)]
+        for g in groups:
+            self.store.expect(g.request_id, partition)
+        return self.store.put(groups)
+
+    def submit(self, request_id, prompt, sampling, index=-1, partition=None):
+        self.store.expect(request_id, partition)
+        self.live[request_id] = (time.monotonic() + self.delay * (index % 3), self._group(request_id, prompt, sampling, index))
+
+    def poll(self, timeout=0.0, max_groups=None):
+        time.sleep(timeout)
+        done = [rid for rid, (due, _) in self.live.items() if due <= time.monotonic()]
+        return self.store.put([self.live.pop(rid)[1] for rid in done])
+
+    def abort(self, request_ids):
+        for rid in request_ids:
+            if rid in self.live:
+                group = self.live[rid][1]
+                group.finish_reasons = ["abort"] * len(group.responses)
+                self.live[rid] = (0.0, group)
+        return list(request_ids)
+
+
+@pytest.fixture(scope="module")
+def plane_env(tiny_assets, tmp_path_factory):
+    ray = pytest.importorskip("ray")
+    from dapo_megatron import dataplane
+    from dapo_megatron.config.schema import DapoConfig, DataPlaneConfig
+    from dapo_megatron.driver.workers import RewardWorker
+    # FakeEngine is defined here: Ray's workers import this module by name
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
+    ray.init(num_cpus=2 + dataplane.ray_cpus(DataPlaneConfig()), include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    handle = dataplane.start(DataPlaneConfig())
+    reward = ray.remote(RewardWorker).options(num_cpus=0).remote(DapoConfig(), str(tiny_assets / "tokenizer"), handle)
+    yield handle, dataplane.connect(handle), reward
+    ray.get(reward.close.remote())
+    dataplane.stop()
+    ray.shutdown()
+
+
+def _items(n, length=300):
+    """Prompts of real length (hundreds of tokens)."""
+    from dapo_megatron.batch import Prompt
+    from dapo_megatron.data.dataset import PromptItem
+    return [PromptItem(i, Prompt(tuple(range(5, 5 + length + i))), [], "7", "tiny_add", {}, f"row {i}")
+            for i in range(n)]
+
+
+class Items:
+    """A dataset of `_items` for the collect functions."""
+
+    def __init__(self, n):
+        self.items = _items(n)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+    def __len__(self):
+        return len(self.items)
+
+
+def test_rows_round_trip_by_key_and_field_and_clear_to_baseline(plane_env):
+    _, plane, _ = plane_env
+    baseline = plane.resident_bytes()
+    rows = [dict(prompts=list(range(7 + i)), responses=list(range(3 * i + 1)), rollout_logprobs=[-0.25] * (3 * i + 1),
+                 loss_mask=[1] * (3 * i + 1), routed_experts=torch.full((7 + i + 3 * i + 1, 2, 3), i, dtype=torch.int16),
+                 scores=float(i), acc=bool(i % 2)) for i in range(3)]
+    stored = plane.put("rt", ["a", "b", "c"], rows, writer="test")
+    assert plane.resident_bytes() - baseline == stored
+    got = plane.get("rt", ["c", "a"], ["responses", "routed_experts", "scores", "acc"])
+    assert got[0]["responses"].tolist() == rows[2]["responses"] and got[1]["responses"].tolist() == [0]
+    assert got[0]["routed_experts"].shape == (16, 2, 3) and got[0]["routed_experts"].dtype == torch.int16
+    assert (got[0]["scores"], got[0]["acc"], got[1]["acc"]) == (2.0, False, False)
+    plane.put("rt", ["b"], [{"old_logprobs": torch.tensor([-1.0, -2.0, -3.0, -4.0])}], writer="old_logprobs")
+    assert plane.get("rt", ["b"], ["old_logprobs"])[0]["old_logprobs"].tolist() == [-1.0, -2.0, -3.0, -4.0]
+    with pytest.raises(ValueError, match="finish_reasons"):
+        plane.put("rt", ["a"], [{"finish_reasons": "stop"}], writer="test")
+    plane.clear("rt")
+    assert plane.resident_bytes() == baseline
+
+
+def _collect(plane_env, length, partition):
+    from dapo_megatron.algo import DynamicSampler
+    from dapo_megatron.data.sampler import PromptSampler
+    from dapo_megatron.driver.collect import RewardScorer, Store, collect_sync, received
+    from dapo_megatron.rollout.types import Sampling
+    ray = pytest.importorskip("ray")
+    handle, plane, reward = plane_env
+    engine = ray.remote(FakeEngine).options(num_cpus=0).remote(handle, length)
+    scorer = RewardScorer(reward, "acc")
+    data = Items(8)
+    result = collect_sync([engine], data, PromptSampler(len(data), shuffle=False, seed=0), DynamicSampler(4, 1, enable=False),
+                          scorer, Sampling(n=N, max_tokens=length), 4, Store(partition, plane))
+    received_bytes = result.metrics["driver/bytes"] + scorer.pop_metrics()["driver/reward_bytes"]
+    return result, received_bytes / result.metrics["sampling/scored_responses"], received(result)
+
+
+def test_driver_bytes_per_response_do_not_grow_with_response_length(plane_env):
+    """16 vs 1024 tokens per response: the driver receives the same bytes per response (keys,
+    lengths, scores); the tokens are in the data plane, where the reward worker wrote scores."""
+    _, plane, _ = plane_env
+    short, per_short, held_short = _collect(plane_env, 16, "short")
+    long, per_long, held_long = _collect(plane_env, 1024, "long")
+    assert per_long <= per_short * 1.05 and per_long < 400, (per_short, per_long)
+    # what the driver holds after collection (its dataset's prompts + metadata) does not grow either
+    assert held_long <= held_short * 1.05, (held_short, held_long)
+    keys = [k for g in long.groups for k in g.payload.rollout.keys]
+    rows = plane.get("long", keys, ["responses", "scores"])
+    assert all(len(r["responses"]) == 1024 for r in rows) and all(r["scores"] == -1.0 for r in rows)
+    assert plane.resident_bytes() > 4 * N * 1024 * 8  # the responses (int64) live in the data plane
+    plane.clear("short")
+    plane.clear("long")
+
+
+def test_each_dp_rank_reads_only_its_share(plane_env):
+    """A rank's reads (what `TrainWorker.step_logprobs` reads) are its rows' bytes, within 1.1x;
+    the DP shares cover the batch once. TP / PP peers use the same split (their DP rank's)."""
+    from dapo_megatron import dataplane
+    from dapo_megatron.batch import FIELDS
+    from dapo_megatron.driver.collect import groups_to_batch
+    from dapo_megatron.driver.workers import LOGPROB_FIELDS
+    from dapo_megatron.train.microbatch import split_for_dp
+    _, plane, _ = plane_env
+    result, _, _ = _collect(plane_env, 64, "share")
+    step = groups_to_batch(result.groups, "share")
+    shares = split_for_dp(step.sequence_lengths, 2)
+    assert sorted(shares[0] + shares[1]) == list(range(len(step))) and shares[0] and shares[1]
+    whole = sum(sum(v.numel() * v.element_size() for v in r.values())
+                for r in plane.get("share", step.keys, [f for f in LOGPROB_FIELDS if f in step.fields]))
+    for rows in shares:
+        plane.pop_counters()
+        batch = dataplane.read_batch(plane, step, rows, LOGPROB_FIELDS)
+        assert len(batch) == len(rows) and batch.group.tolist() == [step.group[i] for i in rows]
+        own = sum(len(batch.prompts[i]) * 8 + len(batch.responses[i]) * (8 + 4) for i in range(len(rows)))
+        got = plane.pop_counters()["bytes_get"]
+        assert own <= got <= 1.1 * own, (own, got)
+        assert got < 0.7 * whole  # not the whole batch
+        assert FIELDS["rollout_logprobs"].dtype == batch.rollout_logprobs.dtype
+    plane.clear("share")
+
+
+def test_early_stop_clears_aborted_and_filtered_groups_at_once(plane_env):
+    """What remains in the partition after collection is exactly the kept batch's rows."""
+    ray = pytest.importorskip("ray")
+    from dapo_megatron.algo import DynamicSampler, Group
+    from dapo_megatron.data.sampler import PromptSampler
+    from dapo_megatron.driver.collect import RewardScorer, ScoredGroup, Store, collect_early_stop
+    from dapo_megatron.rollout.types import Sampling
+    handle, plane, reward = plane_env
+    engine = ray.remote(FakeEngine).options(num_cpus=0, max_concurrency=4).remote(handle, 32, delay=0.3)
+    real = RewardScorer(reward, "acc")
+
+    def scorer(items, groups):  # the reward worker scores (and reads the plane); odd prompts keep
+        scored = real(items, groups)
+        return [Group([float(it.index % 2 and j % 2) for j in range(N)], g.payload)
+                for it, g in zip(items, scored)]
+
+    data = Items(24)
+    prompts = PromptSampler(len(data), shuffle=False, seed=0)
+    baseline = plane.resident_bytes()
+    result = collect_early_stop([engine], data, prompts, DynamicSampler(3, 10), scorer,
+                                Sampling(n=N, max_tokens=32), 6, Store("early", plane), max_concurrent_per_engine=6 * N)
+    assert len(result.groups) == 3 and all(isinstance(g.payload, ScoredGroup) for g in result.groups)
+    assert result.metrics["sampling/aborted_groups"] >= 1 and result.metrics["sampling/filtered_tokens"] > 0
+    kept = sorted(k for g in result.groups for k in g.payload.rollout.keys)
+    assert sorted(plane._tq.kv_list("early").get("early", {})) == kept
+    plane.clear("early")
+    assert plane.resident_bytes() == baseline
+
+
+def test_scorer_gives_the_rows_extra_info_to_a_custom_reward(plane_env, tmp_path, tiny_assets):
+    """verl's reward contract through the reward worker: the dataset row's extra_info reaches
+    compute_score, and the scores come back per response and in the data plane."""
+    ray = pytest.importorskip("ray")
+    from dapo_megatron.batch import Prompt
+    from dapo_megatron.config.schema import DapoConfig, RewardConfig
+    from dapo_megatron.data.dataset import PromptItem
+    from dapo_megatron.dataplane import read_batch
+    from dapo_megatron.driver.collect import RewardScorer, groups_to_batch
+    from dapo_megatron.driver.workers import RewardWorker
+    from dapo_megatron.rollout.types import RolloutGroup
+    handle, plane, _ = plane_env
+    path = tmp_path / "r.py"
+    path.write_text("def fn(data_source, solution_str, ground_truth, extra_info):\n"
+                    "    return {'score': float(extra_info['weight']), 'acc': extra_info['weight'] > 1}\n")
+    cfg = DapoConfig(reward=RewardConfig(custom_fn=f"{path}:fn"))
+    reward = ray.remote(RewardWorker).options(num_cpus=0).remote(cfg, str(tiny_assets / "tokenizer"), handle)
+    items = [PromptItem(i, Prompt((1, 2)), [], "3", "tiny_add", {"weight": w}, f"row {i}")
+             for i, w in enumerate((0.5, 2.0))]
+    groups = [RolloutGroup(f"g{i}", i, [1, 2], [[5], [6, 7]], [[-0.1], [-0.2, -0.3]], ["stop", "length"],
+                           loss_masks=[[1], [1, 0]]) for i in range(2)]
+    stored = []
+    for g in groups:
+        keys = [f"{g.request_id}/{j}" for j in range(2)]
+        plane.put("extra", keys, g.rows(), writer="rollout")
+        stored.append(g.stored("extra", keys))
+    scored = RewardScorer(reward, "acc")(items, stored)
+    assert [g.payload.scores.tolist() for g in scored] == [[0.5, 0.5], [2.0, 2.0]]
+    assert [g.metric_values for g in scored] == [[0.0, 0.0], [1.0, 1.0]]
+    step = groups_to_batch(scored, "extra")
+    assert step.scores == [0.5, 0.5, 2.0, 2.0] and step.group == [0, 0, 1, 1] and step.loss_tokens == [1, 1] * 2
+    assert [r["scores"] for r in plane.get("extra", step.keys, ["scores"])] == step.scores
+    batch = read_batch(plane, step, [1, 3], ["prompts", "responses", "rollout_logprobs", "loss_mask"])
+    assert batch.loss_mask.tolist() == [[1, 0], [1, 0]]
+    torch.testing.assert_close(batch.rollout_logprobs, torch.tensor([[-0.2, -0.3]] * 2))
+    ray.get(reward.close.remote())
+    plane.clear("extra")
