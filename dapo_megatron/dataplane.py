@@ -49,7 +49,15 @@ class Handle:
 
 def start(cfg) -> Handle:
     """Start the controller and storage units (once, in the driver, after Ray is up)."""
+    import ray
     os.environ.update(process_env())
+    # TransferQueue's actors wait forever for CPUs the cluster does not have: say so instead.
+    free = ray.available_resources().get("CPU", 0)
+    if free < ray_cpus(cfg):
+        raise RuntimeError(
+            f"the data plane needs {ray_cpus(cfg)} free Ray CPUs (its controller and data_plane.storage_units="
+            f"{cfg.storage_units} storage units) and the cluster has {free:g}: start Ray with more "
+            f"(`ray start --num-cpus=...`) or lower data_plane.storage_units")
     import transfer_queue as tq
     logging.getLogger("transfer_queue").setLevel(logging.ERROR)
     # A run before this one in the same process (tests, notebooks) leaves TransferQueue's module

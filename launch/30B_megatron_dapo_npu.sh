@@ -16,12 +16,14 @@ JEMALLOC="${JEMALLOC:-$(ls /usr/lib/*/libjemalloc.so.2 2>/dev/null | head -n1)}"
 
 # The environment of the reference Ascend DAPO runs (see README, Ascend): jemalloc against host
 # memory fragmentation, vLLM V1, long HCCL connect timeout for 16-rank start-up, NZ weight format
-# off and eager kernels so that weight updates reach the engine.
+# off and eager kernels so that weight updates reach the engine. The data plane (TransferQueue,
+# data_plane.* in the config) carries the batches: its warnings are not for the job's log.
 ENV_JSON=$(cat <<JSON
 {"working_dir": ".",
  "env_vars": {"LD_PRELOAD": "${JEMALLOC}", "VLLM_USE_V1": "1", "HCCL_CONNECT_TIMEOUT": "5400",
               "HCCL_OP_EXPANSION_MODE": "AIV", "VLLM_ASCEND_ENABLE_NZ": "0", "USE_OPTIMIZED_MODEL": "0",
-              "CPU_AFFINITY_CONF": "2", "ASCEND_HOME": "${ASCEND}", "HF_HUB_OFFLINE": "1"}}
+              "CPU_AFFINITY_CONF": "2", "ASCEND_HOME": "${ASCEND}", "HF_HUB_OFFLINE": "1",
+              "TQ_LOGGING_LEVEL": "ERROR"}}
 JSON
 )
 

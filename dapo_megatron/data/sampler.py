@@ -35,6 +35,11 @@ class PromptSampler:
         """Prompts already served from the current epoch's order."""
         return self._position
 
+    @property
+    def consumed(self) -> int:
+        """Prompts taken from the stream and not given back: the run's position in its data."""
+        return self._epoch * self.num_items + self._position - len(self._pushed_back)
+
     def next(self, batch_size: int) -> list[int]:
         """The next `batch_size` dataset indices: pushed-back prompts first, then the shuffled stream."""
         if batch_size <= 0:

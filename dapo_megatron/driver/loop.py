@@ -7,7 +7,9 @@ tokens go from the engines into the data plane, and the training ranks read thei
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -24,6 +26,14 @@ from dapo_megatron.rollout.types import Sampling
 
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group before giving up
+# Test hook (tests/e2e/test_kill_resume.py): DAPO_KILL_AT=<collect|update>:<step> kills this
+# process with SIGKILL in the middle of that phase of that step, as a crash or an OOM kill would.
+KILL_AT = "DAPO_KILL_AT"
+
+
+def _kill_during(phase: str, step: int, delay_s: float = 0.3) -> None:
+    if os.environ.get(KILL_AT) == f"{phase}:{step}":
+        threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
 
 
 @dataclass
@@ -65,6 +75,7 @@ def train_step(run: Run) -> dict:
     run.collections += 1
     store = Store(f"step{run.step + 1}-{run.collections}", ctx.plane)
     try:
+        _kill_during("collect", run.step + 1)
         with run.timed("gen"):
             collected = setup.as_role("rollout engine", generate, run, store)
         if not collected.groups:
@@ -80,6 +91,7 @@ def train_step(run: Run) -> dict:
             with run.timed("ref"):
                 written, _ = ctx.train.step_logprobs(step, "ref")
             step.fields += tuple(written)
+        _kill_during("update", run.step + 1)
         with run.timed("update"):
             metrics = ctx.train.step_update(step)
     finally:
@@ -90,6 +102,7 @@ def train_step(run: Run) -> dict:
                                           verify=setup.verify_due(cfg, run.syncs)))
     metrics.update(collected.metrics, **run.scorer.pop_metrics(), **lp_metrics)
     metrics.update(_batch_metrics(step, metrics, ctx.plane))
+    metrics["data/prompts_consumed"] = float(run.prompts.consumed)
     return metrics
 
 

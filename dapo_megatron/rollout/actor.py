@@ -75,8 +75,9 @@ class GroupStore:
                 out.append(g.stored(partition, []))
                 continue
             keys = [f"{self.name}/{g.request_id}/{j}" for j in range(len(g.responses))]
-            self.plane.put(partition, keys, g.rows(), writer="rollout")
-            out.append(g.stored(partition, keys))
+            rows = g.rows()
+            self.plane.put(partition, keys, rows, writer="rollout")
+            out.append(g.stored(partition, keys, tuple(rows[0])))
         return out
 
 

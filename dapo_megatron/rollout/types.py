@@ -88,13 +88,12 @@ class RolloutGroup:
             out.append(row)
         return out
 
-    def stored(self, partition: str, keys: list[str]) -> "StoredGroup":
-        """What the driver sees of this group once its rows are in the data plane."""
+    def stored(self, partition: str, keys: list[str], fields: tuple[str, ...] = ()) -> "StoredGroup":
+        """What the driver sees of this group once its rows (columns `fields`) are in the data plane."""
         masks = self.loss_masks or [[1] * len(r) for r in self.responses]
         return StoredGroup(self.request_id, self.index, partition, keys, len(self.prompt),
                            [len(r) for r in self.responses], [int(sum(m)) for m in masks],
-                           list(self.finish_reasons), list(self.turns), dict(self.tool_stats),
-                           tuple(self.rows()[0]) if self.responses else ())
+                           list(self.finish_reasons), list(self.turns), dict(self.tool_stats), fields)
 
 
 @dataclass

@@ -233,7 +233,7 @@ def test_scorer_gives_the_rows_extra_info_to_a_custom_reward(plane_env, tmp_path
     for g in groups:
         keys = [f"{g.request_id}/{j}" for j in range(2)]
         plane.put("extra", keys, g.rows(), writer="rollout")
-        stored.append(g.stored("extra", keys))
+        stored.append(g.stored("extra", keys, tuple(g.rows()[0])))
     scored = RewardScorer(reward, "acc")(items, stored)
     assert [g.payload.scores.tolist() for g in scored] == [[0.5, 0.5], [2.0, 2.0]]
     assert [g.metric_values for g in scored] == [[0.0, 0.0], [1.0, 1.0]]

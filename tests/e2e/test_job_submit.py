@@ -24,7 +24,8 @@ def test_ray_job_submit_runs_quickstart(tiny_assets, tmp_path):
     env = {**os.environ, "RAY_DISABLE_USAGE_STATS": "1", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN": secrets.token_hex(16)}
     env.pop("RAY_ADDRESS", None)
-    subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=2",
+    # 5 CPUs: the 2 ranks (sharing them with the engine) + the data plane's controller and units
+    subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=5",
                     "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}"],
                    check=True, env=env, capture_output=True, timeout=180)
     out = tmp_path / "job"
