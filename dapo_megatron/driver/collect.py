@@ -11,7 +11,8 @@ data-plane partition: they store each group's tokens there and return `StoredGro
 lengths). `score` turns those into `algo.Group`s whose payload is a `ScoredGroup` (the reward
 worker reads the responses from the data plane), so tests can swap the reward. Groups the filter
 drops are cleared from the data plane at once, the surplus when the batch is taken; aborted
-groups were never stored. `driver/bytes` counts what the driver received from engines and reward.
+groups were never stored. `driver/bytes` counts what the driver received from the engines (the
+scorer counts the reward worker's replies).
 """
 from __future__ import annotations
 
