@@ -27,12 +27,21 @@ BACKENDS = ("transfer_queue",)
 _BYTES_TAG = "bytes/"  # tags "bytes/<writer>": what each writer stored for a key (resident size)
 
 
-def process_env(physical_cores: int | None = None) -> dict[str, str]:
+def process_env() -> dict[str, str]:
     """Environment for every process that talks to the data plane: TransferQueue logs a warning
     on every call when its thread count exceeds the cores, and that is not for the console."""
     import psutil
-    cores = physical_cores or psutil.cpu_count(logical=False) or 1
+    cores = psutil.cpu_count(logical=False) or 1
     return {"TQ_LOGGING_LEVEL": "ERROR", "TQ_NUM_THREADS": str(min(8, cores))}
+
+
+def _transfer_queue():
+    """The transfer_queue module, imported quietly (it reads its environment at import)."""
+    for key, value in process_env().items():
+        os.environ.setdefault(key, value)
+    import transfer_queue as tq
+    logging.getLogger("transfer_queue").setLevel(logging.ERROR)
+    return tq
 
 
 def ray_cpus(cfg) -> int:
@@ -50,7 +59,6 @@ class Handle:
 def start(cfg) -> Handle:
     """Start the controller and storage units (once, in the driver, after Ray is up)."""
     import ray
-    os.environ.update(process_env())
     # TransferQueue's actors wait forever for CPUs the cluster does not have: say so instead.
     free = ray.available_resources().get("CPU", 0)
     if free < ray_cpus(cfg):
@@ -58,8 +66,7 @@ def start(cfg) -> Handle:
             f"the data plane needs {ray_cpus(cfg)} free Ray CPUs (its controller and data_plane.storage_units="
             f"{cfg.storage_units} storage units) and the cluster has {free:g}: start Ray with more "
             f"(`ray start --num-cpus=...`) or lower data_plane.storage_units")
-    import transfer_queue as tq
-    logging.getLogger("transfer_queue").setLevel(logging.ERROR)
+    tq = _transfer_queue()
     # A run before this one in the same process (tests, notebooks) leaves TransferQueue's module
     # state pointing at a controller of a Ray that is gone: forget it, and our clients with it.
     # (tq.close() gives up half-way on handles of a dead Ray, so its globals are reset here.)
@@ -78,8 +85,7 @@ def start(cfg) -> Handle:
 
 
 def stop() -> None:
-    import transfer_queue as tq
-    tq.close()
+    _transfer_queue().close()
     _CLIENTS.clear()
 
 
@@ -101,11 +107,8 @@ class DataPlane:
     """put / get / clear rows by key within a partition; counts the bytes this process moved."""
 
     def __init__(self, handle: Handle):
-        os.environ.update({k: v for k, v in process_env().items() if k not in os.environ})
-        import transfer_queue as tq
-        logging.getLogger("transfer_queue").setLevel(logging.ERROR)
-        tq.init()  # attaches to the driver's controller
-        self._tq = tq
+        self._tq = _transfer_queue()
+        self._tq.init()  # attaches to the driver's controller
         self.bytes_put = self.bytes_get = 0
 
     def put(self, partition: str, keys: Sequence[str], rows: Sequence[dict], writer: str) -> int:

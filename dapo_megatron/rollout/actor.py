@@ -65,7 +65,9 @@ class GroupStore:
             self.partitions[request_id] = partition
 
     def put(self, groups: list[RolloutGroup]) -> list:
-        out = []
+        """Store the groups' rows with one data-plane put per partition (not one per group: a put
+        is a round trip to the storage units, and a poll returns many groups)."""
+        out, batches = [], {}  # partition -> (keys, rows)
         for g in groups:
             partition = self.partitions.pop(g.request_id, None)
             if partition is None:
@@ -76,8 +78,12 @@ class GroupStore:
                 continue
             keys = [f"{self.name}/{g.request_id}/{j}" for j in range(len(g.responses))]
             rows = g.rows()
-            self.plane.put(partition, keys, rows, writer="rollout")
+            batch = batches.setdefault(partition, ([], []))
+            batch[0].extend(keys)
+            batch[1].extend(rows)
             out.append(g.stored(partition, keys, tuple(rows[0])))
+        for partition, (keys, rows) in batches.items():
+            self.plane.put(partition, keys, rows, writer="rollout")
         return out
 
 
