@@ -89,6 +89,8 @@ def _check_positive(cfg: DapoConfig) -> None:
     _require(steps is None or steps > 0, "trainer.total_training_steps",
              f"trainer.total_training_steps must be positive or null, got {steps}")
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "reward.timeout_s must be positive")
+    _require(cfg.data_plane.capacity >= 0, "data_plane.capacity",
+             f"data_plane.capacity must be 0 (unlimited) or a number of samples, got {cfg.data_plane.capacity}")
     if cfg.rollout.multi_turn.enable:
         for key in ("rollout.multi_turn.max_turns", "rollout.multi_turn.tool_timeout_s",
                     "rollout.multi_turn.tool_pool", "rollout.multi_turn.max_tool_output_chars"):
