@@ -1,10 +1,15 @@
 """Prompt datasets in the verl/DAPO schema, from parquet or JSONL, chat-templated and tokenized once.
 
 A row: {data_source, prompt: [{role, content}, ...], reward_model: {ground_truth, ...},
-extra_info: {...}, ...}; other columns are ignored. Prompts longer than data.max_prompt_length
-tokens are filtered, truncated or rejected per data.truncation. Every error names the file and the
-0-based row index (for JSONL also the line), so a bad row in a 17k-row file is found in seconds.
-Paths are files: the caller resolves `tiny://` asset paths first (`assets.resolve_asset_path`).
+extra_info: {...}, images?: [{bytes, path}, ...], ...}; other columns are ignored. Prompts longer
+than data.max_prompt_length tokens are filtered, truncated or rejected per data.truncation. Every
+error names the file and the 0-based row index (for JSONL also the line), so a bad row in a
+17k-row file is found in seconds. Paths are files: the caller resolves `tiny://` asset paths first
+(`assets.resolve_asset_path`).
+
+Rows with images (geo3k): `images.row_images` decodes them onto `Prompt.images` and turns the
+`<image>` placeholders into image parts for the chat template, which must render each as one
+`<|image_pad|>` (a vision-language tokenizer; vLLM expands it). Lengths count that one token.
 """
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import pyarrow.parquet as pq
 
 from dapo_megatron.batch import Prompt
 from dapo_megatron.config.schema import DataConfig
+from dapo_megatron.data.images import IMAGE_PAD, row_images
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +38,7 @@ class DataError(ValueError):
 class PromptItem:
     index: int  # position in this dataset: what the sampler hands out
     prompt: Prompt  # ids: chat template applied (with the generation header), maybe truncated
-    messages: list[dict[str, str]]  # the row's raw chat messages
+    messages: list[dict[str, str]]  # the row's raw chat messages (with its <image> placeholders)
     ground_truth: str
     data_source: str
     extra_info: dict[str, Any]
@@ -76,27 +82,50 @@ class PromptDataset:
         return self.items[index]
 
     def _load_file(self, path: str, tokenizer, config_key: str) -> None:
-        parsed: list[tuple[str, tuple]] = []  # (where, (messages, ground_truth, data_source, extra_info))
+        base_dir = os.path.dirname(os.path.abspath(path))  # relative image paths start here
+        parsed: list[tuple[str, tuple, tuple]] = []  # (where, (messages, ground_truth, ...), images)
         texts: list[str] = []
         for where, row in _read_rows(path, config_key):
             self.stats["rows"] += 1
             try:
-                fields = parse_row(json.loads(row) if isinstance(row, str) else row, self._prompt_key)
-                text = tokenizer.apply_chat_template(fields[0], add_generation_prompt=True, tokenize=False,
-                                                     **self._template_kwargs)
+                row = json.loads(row) if isinstance(row, str) else row
+                fields = parse_row(row, self._prompt_key)
+                chat, images = row_images(row, fields[0], base_dir)
+                text = None if images else tokenizer.apply_chat_template(
+                    fields[0], add_generation_prompt=True, tokenize=False, **self._template_kwargs)
             except Exception as e:  # noqa: BLE001 - any failure here is this row's fault
                 self._bad_row(where, e)
                 continue
-            parsed.append((where, fields))
+            if images:
+                text = self._render_images(tokenizer, chat, len(images), where)
+            parsed.append((where, fields, images))
             texts.append(text)
         # One batched call, which `tokenizers` spreads over threads when TOKENIZERS_PARALLELISM
         # allows. The template already wrote any BOS, so no special tokens are added again.
         all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
-        for (where, (messages, ground_truth, data_source, extra_info)), ids in zip(parsed, all_ids):
-            ids = self._fit_length(list(ids), where)
+        for (where, (messages, ground_truth, data_source, extra_info), images), ids in zip(parsed, all_ids):
+            ids = self._fit_length(list(ids), where, bool(images))
             if ids is not None:
-                self.items.append(PromptItem(len(self.items), Prompt(tuple(ids)), messages, ground_truth,
+                self.items.append(PromptItem(len(self.items), Prompt(tuple(ids), images), messages, ground_truth,
                                              data_source, extra_info, where))
+
+    def _render_images(self, tokenizer, chat: list[dict], n_images: int, where: str) -> str:
+        """The chat template's text for a row with images. A template that cannot show an image (a
+        text-only model's) is the configuration's fault, not the row's: it is raised even with
+        data.skip_bad_rows, which would otherwise drop every image row, or train without the images."""
+        try:
+            text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False,
+                                                 **self._template_kwargs)
+            problem = "" if text.count(IMAGE_PAD) == n_images else \
+                f"it wrote {text.count(IMAGE_PAD)} {IMAGE_PAD} for {n_images} image(s)"
+        except Exception as e:  # noqa: BLE001 - a text-only template fails on list content in many ways
+            problem = f"{type(e).__name__}: {e}"
+        if problem:
+            raise DataError(f"{where}: the row has {n_images} image(s), but the chat template of the tokenizer "
+                            f"at {getattr(tokenizer, 'name_or_path', '?')} (model.tokenizer_path, else model.path) "
+                            f"cannot render images ({problem}); a text-only model cannot take image data: use a "
+                            f"vision-language model's tokenizer, or data without an images column")
+        return text
 
     def _bad_row(self, where: str, error: Exception) -> None:
         if not self._skip_bad_rows:
@@ -104,11 +133,12 @@ class PromptDataset:
         self.stats["bad_rows"] += 1
         log.warning("skipping %s: %s", where, error)
 
-    def _fit_length(self, ids: list[int], where: str) -> list[int] | None:
-        """Apply data.truncation to a prompt over max_prompt_length; None means drop it."""
+    def _fit_length(self, ids: list[int], where: str, has_images: bool = False) -> list[int] | None:
+        """Apply data.truncation to a prompt over max_prompt_length; None means drop it. A prompt with
+        images is dropped rather than cut: a cut image pad would leave an image without its place."""
         if len(ids) <= self._max_len:
             return ids
-        if self._truncation == "filter":
+        if self._truncation == "filter" or (has_images and self._truncation != "error"):
             self.stats["too_long"] += 1
             return None
         if self._truncation == "error":

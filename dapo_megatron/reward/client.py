@@ -6,8 +6,10 @@ import json
 import urllib.error
 import urllib.request
 from dataclasses import fields
+from typing import Sequence
 
 from dapo_megatron.reward.math_score import MAX_RESPONSE_CHARS, RewardResult
+from dapo_megatron.reward.scorers import scorers_for
 
 _RESULT_FIELDS = {f.name for f in fields(RewardResult)}
 
@@ -25,13 +27,19 @@ class RewardClient:
         self.url = url.rstrip("/")
         self.request_timeout_s = request_timeout_s
 
-    def score_batch(self, responses: list[str], ground_truths: list[str]) -> list[RewardResult]:
+    def score_batch(self, responses: list[str], ground_truths: list[str],
+                    data_sources: Sequence[str] | None = None) -> list[RewardResult]:
         if len(responses) != len(ground_truths):
             raise ValueError(f"score_batch: {len(responses)} responses but {len(ground_truths)} "
                              "ground truths")
-        # The server keeps only the tail too; cutting here keeps megabyte responses off the wire.
-        body = {"responses": [r[-MAX_RESPONSE_CHARS:] for r in responses],
+        # The math reward reads only the tail; cutting here keeps megabyte responses off the wire.
+        # A scorer that reads the start too (geo3k's <think> format) gets the whole response.
+        scorers = scorers_for(data_sources, len(responses))
+        body = {"responses": [r if s.whole_response else r[-MAX_RESPONSE_CHARS:]
+                              for r, s in zip(responses, scorers)],
                 "ground_truths": [str(g) for g in ground_truths]}
+        if data_sources is not None:  # left out when unset: a server that predates it still answers
+            body["data_sources"] = list(data_sources)
         reply = self._request("/score", body)
         results = [RewardResult(**{k: v for k, v in r.items() if k in _RESULT_FIELDS})
                    for r in reply["results"]]

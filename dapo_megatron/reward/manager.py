@@ -2,7 +2,9 @@
 
 Config -> branch: `reward.custom_fn` set -> that function, called in-process like verl's
 `compute_score`; else `reward.service_url` set -> the HTTP service; else a local `RewardPool`
-(`reward.num_workers`, `reward.timeout_s`). `reward.overlong_buffer.enable` -> score += penalty.
+(`reward.num_workers`, `reward.timeout_s`). The service and the pool score each row by its
+data_source's scorer (reward/scorers.py: geo3k, else math). `reward.overlong_buffer.enable` ->
+score += penalty.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ _REFUSED = ("too_long", "too_deep", "huge_power")
 
 @dataclass
 class RewardOutput:
-    score: torch.Tensor  # [B] float32: +1/-1 (or the custom score) + overlong_penalty
+    score: torch.Tensor  # [B] float32: math +1/-1, geo3k 0..1 (or the custom score) + overlong_penalty
     acc: torch.Tensor  # [B] bool: the dynamic-sampling filter metric
     pred: list[str]  # [B] extracted answers ("" when none)
     overlong_penalty: torch.Tensor  # [B] float32, <= 0; all 0 when the buffer is disabled
@@ -98,7 +100,7 @@ class RewardManager:
         if self.custom_fn is not None:
             results = self._score_custom(responses, ground_truths, data_sources, extra_infos)
         else:
-            results = self.backend.score_batch(responses, ground_truths)
+            results = self.backend.score_batch(responses, ground_truths, data_sources)
         base = torch.tensor([r.score for r in results], dtype=torch.float32)  # [B]
         penalty = torch.zeros(batch, dtype=torch.float32)  # [B]
         buf = self.cfg.overlong_buffer

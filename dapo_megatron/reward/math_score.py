@@ -15,6 +15,7 @@ import functools
 import re
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from math_verify import parse, verify
 
@@ -54,7 +55,7 @@ _LAYOUT_COMMAND_RE = re.compile(r"\\(?:[dt]?frac|cdot|times|div|left|right|sqrt)
 
 @dataclass
 class RewardResult:
-    score: float  # +1.0 correct, -1.0 incorrect (the DAPO convention)
+    score: float  # math: +1.0 correct, -1.0 incorrect (DAPO); other sources: see reward/scorers.py
     acc: bool
     pred: str  # the extracted final answer, "" when none (cut to MAX_ANSWER_CHARS)
     reason: str = ""  # "" or one of NO_ANSWER, TOO_LONG, ... above
@@ -83,10 +84,12 @@ def score(response: str, ground_truth: str) -> RewardResult:
     return result
 
 
-def prescreen(response: str, ground_truth: str) -> tuple[str, RewardResult | None]:
-    """Everything before math-verify, all linear-time: extraction, safety caps, exact match.
-    Returns (pred, final result) when that settles it, else (pred, None): ask math-verify."""
-    pred = extract_answer(response)
+def prescreen(response: str, ground_truth: str,
+              extract: Callable[[str], str | None] | None = None) -> tuple[str, RewardResult | None]:
+    """Everything before math-verify, all linear-time: extraction (`extract`, default
+    `extract_answer`), safety caps, exact match. Returns (pred, final result) when that settles
+    it, else (pred, None): ask math-verify."""
+    pred = (extract or extract_answer)(response)
     if pred is None:
         return "", make_result(False, "", NO_ANSWER)
     reason = check_caps(pred)
@@ -110,7 +113,13 @@ def extract_answer(response: str) -> str | None:
         answer = _strip_wrappers(boxed if boxed is not None else line)
         if answer:
             return answer
-    boxed = last_boxed(text)
+    return extract_boxed(text)
+
+
+def extract_boxed(response: str) -> str | None:
+    """The content of the last \\boxed{} / \\fbox{} / `\\boxed x` in the response's tail, unwrapped
+    (math delimiters, a final period); None when there is none. "Answer:" lines are not read."""
+    boxed = last_boxed(response[-MAX_RESPONSE_CHARS:])
     if boxed is None:
         return None
     return _strip_wrappers(boxed) or None

@@ -6,8 +6,10 @@ process, the parent never touches signals, and a pair over `timeout_s` costs onl
 the parent SIGKILLs it, scores the pair -1 (reason "timeout") and starts a replacement. So
 `score_batch` may be called from any thread, a Ray actor included, and always returns.
 
-The parent runs the linear-time part itself (`prescreen`: extraction, safety caps, exact match),
-so megabyte responses and refused answers never cross a pipe; workers only run math-verify.
+The parent runs the linear-time part itself (`prescreen`: extraction, safety caps, exact match,
+and the row's scorer's `finish`, e.g. geo3k's format term), so megabyte responses and refused
+answers never cross a pipe; workers only run math-verify. `data_sources` picks each row's scorer
+(reward/scorers.py); without it every row gets the math reward.
 
 Workers come from a "forkserver" (a clean single-threaded server process that has math-verify
 preloaded) so that a restart is a fork, not a fresh interpreter; never a plain fork of a parent
@@ -24,9 +26,11 @@ import time
 import traceback
 from collections import deque
 from multiprocessing.connection import wait
+from typing import Sequence
 
 from dapo_megatron.reward.math_score import (ERROR, TIMEOUT, WORKER_DIED, RewardResult, make_result,
                                              prescreen)
+from dapo_megatron.reward.scorers import scorers_for
 
 logger = logging.getLogger(__name__)
 
@@ -136,11 +140,14 @@ class RewardPool:
                 w.kill()
             raise
 
-    def score_batch(self, responses: list[str], ground_truths: list[str]) -> list[RewardResult]:
-        """Score pairs in parallel; results in input order. Never hangs on one pair."""
+    def score_batch(self, responses: list[str], ground_truths: list[str],
+                    data_sources: Sequence[str] | None = None) -> list[RewardResult]:
+        """Score pairs in parallel, each by its data source's scorer (None: math for all); results
+        in input order. Never hangs on one pair."""
         if len(responses) != len(ground_truths):
             raise ValueError(f"score_batch: {len(responses)} responses but {len(ground_truths)} "
                              "ground truths")
+        scorers = scorers_for(data_sources, len(responses))
         with self._lock:
             if self._closed:
                 raise RuntimeError("RewardPool is closed")
@@ -149,7 +156,7 @@ class RewardPool:
             for i, (response, truth) in enumerate(zip(responses, ground_truths)):
                 t0 = time.monotonic()
                 try:
-                    pred, results[i] = prescreen(response, str(truth))
+                    pred, results[i] = prescreen(response, str(truth), scorers[i].extract)
                 except Exception:  # noqa: BLE001 - a bug here must not cost the whole batch
                     pred, results[i] = "", make_result(False, "", ERROR)
                 if results[i] is None:
@@ -168,7 +175,8 @@ class RewardPool:
                 self._abandon_in_flight()
                 raise
             self.scored += len(results)
-            return results  # type: ignore[return-value]
+            # A timed-out or dead worker's pair is a wrong answer to its scorer, like any other.
+            return [s.finish(r, response) for s, r, response in zip(scorers, results, responses)]
 
     def _dispatch(self, pending: deque, results: list) -> None:
         """Queue up to _PIPELINE pairs at each worker, round-robin, so that it never waits for the

@@ -3,7 +3,8 @@ other machines than the trainer (set `reward.service_url`).
 
     python -m dapo_megatron.reward.serve [--host 127.0.0.1] [--port 8000] [--workers 0] [--timeout-s 5]
 
-POST /score  {"responses": [str], "ground_truths": [str]} -> {"results": [{score, acc, pred, ...}]}
+POST /score  {"responses": [str], "ground_truths": [str], "data_sources"?: [str]}
+             -> {"results": [{score, acc, pred, ...}]}   (no data_sources: the math reward for all)
 GET  /health -> {"status": "ok", "num_workers", "timeout_s", "timeouts", "restarts", ...}
 
 No authentication: it binds to 127.0.0.1 unless told otherwise; expose it only on a trusted network.
@@ -44,10 +45,10 @@ def make_server(pool: RewardPool, host: str = "127.0.0.1", port: int = 0) -> Thr
             if length > MAX_BODY_BYTES:
                 return self._reply(413, {"error": f"body of {length} bytes > {MAX_BODY_BYTES}"})
             try:
-                responses, ground_truths = _parse_request(self.rfile.read(length))
+                responses, ground_truths, data_sources = _parse_request(self.rfile.read(length))
             except ValueError as e:
                 return self._reply(400, {"error": str(e)})
-            results = pool.score_batch(responses, ground_truths)
+            results = pool.score_batch(responses, ground_truths, data_sources)
             self._reply(200, {"results": [dataclasses.asdict(r) for r in results]})
 
         def _reply(self, code: int, body: dict) -> None:
@@ -66,7 +67,7 @@ def make_server(pool: RewardPool, host: str = "127.0.0.1", port: int = 0) -> Thr
     return server
 
 
-def _parse_request(raw: bytes) -> tuple[list[str], list[str]]:
+def _parse_request(raw: bytes) -> tuple[list[str], list[str], list[str] | None]:
     try:
         body = json.loads(raw)
     except json.JSONDecodeError as e:
@@ -74,12 +75,16 @@ def _parse_request(raw: bytes) -> tuple[list[str], list[str]]:
     if not isinstance(body, dict):
         raise ValueError("body must be an object with 'responses' and 'ground_truths'")
     responses, ground_truths = body.get("responses"), body.get("ground_truths")
-    for name, value in (("responses", responses), ("ground_truths", ground_truths)):
+    data_sources = body.get("data_sources")
+    fields = [("responses", responses), ("ground_truths", ground_truths)]
+    fields += [("data_sources", data_sources)] if data_sources is not None else []
+    for name, value in fields:
         if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
             raise ValueError(f"'{name}' must be a list of strings")
-    if len(responses) != len(ground_truths):
-        raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground_truths")
-    return responses, ground_truths
+    for name, value in fields[1:]:
+        if len(value) != len(responses):
+            raise ValueError(f"{len(responses)} responses but {len(value)} {name}")
+    return responses, ground_truths, data_sources
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -154,8 +154,10 @@ def test_file_errors(tokenizer, tmp_path):
         load([], tokenizer)
 
 
-def test_data_never_imports_megatron_vllm_or_ray():
-    code = ("import sys, dapo_megatron.data.dataset, dapo_megatron.data.sampler, dapo_megatron.data.synthetic; "
+def test_data_and_reward_never_import_megatron_vllm_or_ray():
+    modules = ["dapo_megatron.data." + m for m in ("dataset", "sampler", "synthetic", "images", "geo3k_synth")]
+    modules += ["dapo_megatron.reward." + m for m in ("pool", "manager", "serve", "client", "scorers", "geo3k")]
+    code = (f"import sys, {', '.join(modules)}; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & {'megatron', 'vllm', 'ray'}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
