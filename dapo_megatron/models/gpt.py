@@ -88,8 +88,12 @@ def padded_vocab_size(vocab_size: int, tp: int, divisible_by: int = 128) -> int:
     return -(-vocab_size // multiple) * multiple
 
 
-def build_gpt_chunks(spec, arch, tf_config, *, use_te: bool) -> list:
-    """One GPTModel per virtual pipeline stage of this rank (a single one without VPP)."""
+def build_gpt_chunks(spec, arch, tf_config, *, use_te: bool, model_cls=None, **model_kwargs) -> list:
+    """One GPTModel per virtual pipeline stage of this rank (a single one without VPP).
+
+    A model family built on GPTModel (Qwen3-VL) passes its subclass as `model_cls` and its extra
+    constructor arguments (or overrides, e.g. `position_embedding_type`) as `model_kwargs`.
+    """
     from megatron.core.models.gpt import GPTModel
 
     from dapo_megatron.train.parallel import coords
@@ -98,22 +102,23 @@ def build_gpt_chunks(spec, arch, tf_config, *, use_te: bool) -> list:
                          "supported; only the default RoPE with a rope_theta")
     c = coords()
     layers = layer_spec(tf_config, arch, use_te)
+    model_kwargs = {"position_embedding_type": "rope", **model_kwargs}
     chunks = []
     for vp_stage in range(c.vpp):
         stage = vp_stage if c.vpp > 1 else None
-        chunks.append(GPTModel(
+        chunks.append((model_cls or GPTModel)(
             config=tf_config, transformer_layer_spec=layers,
             vocab_size=padded_vocab_size(spec.vocab_size, tf_config.tensor_model_parallel_size),
             max_sequence_length=spec.max_position_embeddings or 4096,
             pre_process=c.is_first_stage(stage), post_process=c.is_last_stage(stage),
             share_embeddings_and_output_weights=spec.tie_word_embeddings,
-            position_embedding_type="rope", rotary_base=spec.rope_theta, vp_stage=stage))
+            rotary_base=spec.rope_theta, vp_stage=stage, **model_kwargs))
     return chunks
 
 
-def gpt_inputs(micro, device) -> dict:
+def gpt_inputs(micro, device, spec=None) -> dict:
     """A micro-batch's GPTModel inputs: token ids [b, S] and their positions 0..S-1 (each row
-    starts at its own position 0: right padding only, no packing)."""
+    starts at its own position 0: right padding only, no packing). `spec` is not needed here."""
     tokens = micro.tokens.to(device)
     positions = torch.arange(tokens.shape[1], device=device).expand_as(tokens)  # [b, S]
     return dict(input_ids=tokens, position_ids=positions, attention_mask=None)

@@ -20,18 +20,20 @@ class Arch:
     moe: bool  # routed experts in every layer (no shared expert)
     config_fn: Callable  # (spec, arch) -> dict of TransformerConfig kwargs
     build_fn: Callable  # (spec, arch, tf_config, use_te=...) -> list of model chunks
-    inputs_fn: Callable  # (micro, device) -> dict of model inputs
+    inputs_fn: Callable  # (micro, device, spec) -> dict of model inputs
     forward_fn: Callable  # (model chunk, inputs) -> logits [b, S, V/TP] (last stage) or hidden states
 
 
 def _registry() -> dict[str, Arch]:
-    from dapo_megatron.models import gpt
+    from dapo_megatron.models import gpt, qwen3_vl
     gpt_fns = dict(config_fn=gpt.gpt_config_kwargs, build_fn=gpt.build_gpt_chunks, inputs_fn=gpt.gpt_inputs,
                    forward_fn=gpt.gpt_forward)
     rows = [
         Arch("qwen2", qkv_bias=True, qk_layernorm=False, moe=False, **gpt_fns),
         Arch("qwen3", qkv_bias=False, qk_layernorm=True, moe=False, **gpt_fns),
         Arch("qwen3_moe", qkv_bias=False, qk_layernorm=True, moe=True, **gpt_fns),
+        Arch("qwen3_vl_moe", qkv_bias=False, qk_layernorm=True, moe=True, config_fn=qwen3_vl.vl_config_kwargs,
+             build_fn=qwen3_vl.build_vl_chunks, inputs_fn=qwen3_vl.vl_inputs, forward_fn=gpt.gpt_forward),
     ]
     return {a.model_type: a for a in rows}
 

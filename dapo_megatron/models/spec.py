@@ -46,6 +46,10 @@ class ModelSpec:
     moe_ffn_hidden_size: int = 0
     moe_top_k: int = 0
     norm_topk_prob: bool = True
+    # Vision-language (Qwen3-VL): the T/H/W bands of the rotary frequencies (empty: a 1-D RoPE)
+    # and the token id the image embeddings replace. The vision tower's own config is `vision_config`.
+    mrope_section: tuple[int, ...] = ()
+    image_token_id: Optional[int] = None
     hf: Any = field(default=None, compare=False, repr=False)  # the config it came from (builders may need more)
 
     @classmethod
@@ -78,7 +82,9 @@ class ModelSpec:
             num_experts=experts, moe_ffn_hidden_size=(text.get("moe_intermediate_size") or 0) if experts else 0,
             moe_top_k=(text.get("num_experts_per_tok") or 0) if experts else 0,
             # Qwen3-VL-MoE's text config has no norm_topk_prob: its router always renormalises.
-            norm_topk_prob=bool(text.get("norm_topk_prob", True)), hf=hf)
+            norm_topk_prob=bool(text.get("norm_topk_prob", True)),
+            mrope_section=tuple((text.get("rope_parameters") or text.get("rope_scaling") or {}).get("mrope_section") or ()),
+            image_token_id=top.get("image_token_id"), hf=hf)
 
     @classmethod
     def from_pretrained(cls, hf_dir: str) -> "ModelSpec":
@@ -98,6 +104,18 @@ class ModelSpec:
     def arch(self):
         from dapo_megatron.models.registry import get_arch
         return get_arch(self.model_type)
+
+    @property
+    def vision_config(self) -> Optional[dict]:
+        """The HF `vision_config` of a vision-language model as a dict; None for a text model."""
+        vision = _as_dict(self.hf).get("vision_config") if self.hf is not None else None
+        return None if vision is None else _as_dict(vision)
+
+    @property
+    def deepstack_layers(self) -> int:
+        """How many of the first decoder layers get the vision tower's intermediate features added
+        (Qwen3-VL deepstack: one per `deepstack_visual_indexes` entry); 0 for a text model."""
+        return len((self.vision_config or {}).get("deepstack_visual_indexes") or ())
 
     @property
     def is_moe(self) -> bool:

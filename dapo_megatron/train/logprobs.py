@@ -23,6 +23,7 @@ import torch.distributed as dist
 from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.train import microbatch as mb
 from dapo_megatron.train import routing
+from dapo_megatron.weights.load import unwrap
 
 
 def _vocab_mask(logits: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
@@ -98,7 +99,7 @@ def forward_backward(chunks: list, arch, micros: list[mb.MicroBatch], loss_fn: C
     def forward_step(data_iterator, model):
         micro = next(data_iterator)
         routing.feed(model, micro)  # this micro-batch's routes, when the chunk replays them
-        inputs = arch.inputs_fn(micro, next(model.parameters()).device)
+        inputs = arch.inputs_fn(micro, next(model.parameters()).device, unwrap(model).spec)
         # [b, S, V/TP] on the last stage, hidden states elsewhere
         return arch.forward_fn(model, inputs), partial(loss_fn, micro)
 
