@@ -51,29 +51,12 @@ def tool_assets(tmp_path_factory) -> Path:
     return build_tool_assets(out, seed=TEST_ASSETS_SEED, log=lambda _msg: None)
 
 
-# Qwen2-VL's rendering of list content on top of the tiny ChatML template: an image part becomes
-# <|vision_start|><|image_pad|><|vision_end|>, a text part its text, a string content itself.
-VL_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
-    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{{ '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-
 @pytest.fixture(scope="session")
 def vl_tokenizer(tiny_assets, tmp_path_factory):
     """The tiny tokenizer with Qwen-VL's vision tokens (one id each) and a chat template that
     renders image parts, saved and reloaded so that `name_or_path` is a real directory."""
     from transformers import AutoTokenizer
+    from dapo_megatron.assets.tokenizer import VL_CHAT_TEMPLATE
     tokenizer = AutoTokenizer.from_pretrained(tiny_assets / "tokenizer")
     tokenizer.add_tokens(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"], special_tokens=True)
     tokenizer.chat_template = VL_CHAT_TEMPLATE

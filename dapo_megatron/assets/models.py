@@ -106,16 +106,32 @@ TINY_VL_MOE: dict[str, Any] = dict(
     tie_word_embeddings=False)
 
 
-def build_tiny_vl_model(out_dir: str, *, seed: int = 0) -> str:
-    """A random-init tiny Qwen3-VL-MoE (TINY_VL_MOE) saved with transformers' save_pretrained.
+# Fused-expert tensors as official Qwen3-VL-MoE checkpoints lay them out (vLLM's loader expects
+# it: `is_fused_checkpoint_transposed`); transformers 5.19 keeps them transposed in memory and its
+# save_pretrained writes that layout. transformers reads either.
+_OFFICIAL_TRANSPOSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
-    transformers 5.19 saves the fused experts in its in-memory layout (`experts.gate_up_proj`
-    [E, 2I, H], `experts.down_proj` [E, H, I]), not the official checkpoints' transposed one
-    ([E, H, 2I], [E, I, H]); read them back with transformers, not as official files.
-    """
+
+def build_tiny_vl_model(out_dir: str, *, seed: int = 0) -> str:
+    """A random-init tiny Qwen3-VL-MoE (TINY_VL_MOE) saved as an official checkpoint is laid out:
+    fused experts `experts.gate_up_proj` [E, H, 2I] and `experts.down_proj` [E, I, H] (not
+    transformers 5.19's in-memory [E, 2I, H] / [E, H, I]), and `norm_topk_prob` in text_config
+    (vLLM reads it; transformers' config has no such key, its router always renormalises)."""
+    import json
+    from safetensors.torch import load_file, save_file
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
     torch.manual_seed(seed)
     model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**TINY_VL_MOE)).float()
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    weights = os.path.join(out_dir, "model.safetensors")
+    state = {name: t.transpose(1, 2).contiguous() if name.endswith(_OFFICIAL_TRANSPOSED) else t
+             for name, t in load_file(weights).items()}
+    save_file(state, weights, metadata={"format": "pt"})
+    config_path = os.path.join(out_dir, "config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    config["text_config"]["norm_topk_prob"] = True
+    with open(config_path, "w") as f:
+        json.dump(config, f, indent=2)
     return out_dir

@@ -50,6 +50,28 @@ TOOLS_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 
+# Qwen-VL's vision tokens, in the id order of assets.models.TINY_VL_MOE (image_token_id 500,
+# video 501, vision_start 502, vision_end 503): a VL tokenizer learns 500 tokens, then adds these.
+VISION_TOKENS = ("<|image_pad|>", "<|video_pad|>", "<|vision_start|>", "<|vision_end|>")
+VL_BASE_VOCAB_SIZE = 500
+
+# Qwen2-VL's rendering of list content on top of the tiny ChatML template: an image part becomes
+# <|vision_start|><|image_pad|><|vision_end|>, a text part its text, a string content itself.
+VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' %}{{ '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{% elif part['type'] == 'text' %}{{ part['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{{ '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
 GENERIC_TEXT = """\
 The quick brown fox jumps over the lazy dog. A model learns from rewards, not from labels.
 Reinforcement learning improves a policy by sampling answers and scoring them with a verifier.
@@ -77,9 +99,10 @@ def tokenizer_corpus() -> list[str]:
 
 
 def train_tokenizer(vocab_size: int = VOCAB_SIZE, corpus: list[str] | None = None,
-                    chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+                    chat_template: str = CHAT_TEMPLATE, added_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """Train the BPE (deterministic: fixed corpus, full byte alphabet) and wrap it for transformers.
-    corpus: the training lines (default: `tokenizer_corpus()`)."""
+    corpus: the training lines (default: `tokenizer_corpus()`). added_tokens: special tokens
+    appended after the learnt vocabulary, in order, at ids vocab_size, vocab_size + 1, ..."""
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
         pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated"),
@@ -91,8 +114,13 @@ def train_tokenizer(vocab_size: int = VOCAB_SIZE, corpus: list[str] | None = Non
     tok.train_from_iterator(tokenizer_corpus() if corpus is None else corpus, trainer)
     # GPT2TokenizerFast(vocab_file=...) silently builds an empty tokenizer; wrapping the trained
     # object is the reliable way to get a dir that AutoTokenizer reloads offline.
+    if added_tokens:
+        if tok.get_vocab_size() != vocab_size:
+            raise ValueError(f"the corpus yields {tok.get_vocab_size()} tokens, not {vocab_size}: "
+                             f"added tokens would not land at ids {vocab_size}..")
+        tok.add_special_tokens(list(added_tokens))
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=None, eos_token=IM_END, pad_token=ENDOFTEXT,
-                                   unk_token=None, additional_special_tokens=[IM_START, IM_END],
+                                   unk_token=None, additional_special_tokens=[IM_START, IM_END, *added_tokens],
                                    chat_template=chat_template, model_max_length=1024,
                                    clean_up_tokenization_spaces=False)
 
@@ -105,7 +133,7 @@ def special_token_ids(tokenizer) -> dict[str, int]:
 
 def build_tokenizer(out_dir: str, vocab_size: int = VOCAB_SIZE, **kwargs) -> PreTrainedTokenizerFast:
     """Train and save as a HF fast-tokenizer dir (tokenizer.json + config + chat template);
-    kwargs: `train_tokenizer`'s corpus and chat_template."""
+    kwargs: `train_tokenizer`'s corpus, chat_template and added_tokens."""
     tokenizer = train_tokenizer(vocab_size, **kwargs)
     os.makedirs(out_dir, exist_ok=True)
     tokenizer.save_pretrained(out_dir)

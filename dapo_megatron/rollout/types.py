@@ -55,6 +55,9 @@ class RolloutGroup:
     loss_masks: list[list[int]] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
     tool_stats: dict = field(default_factory=dict)
+    # Vision-language prompts only, else empty: [N_images][t, h, w] patch grids of the prompt's
+    # images, in order; image i fills t * h * w / merge^2 of the `prompt`'s image tokens.
+    image_grid_thw: list = field(default_factory=list)
 
     TOOL_STATS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_s")
 

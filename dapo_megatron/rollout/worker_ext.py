@@ -239,12 +239,12 @@ class WeightSyncExtension:
 
     def weight_sync_finish(self) -> int:
         """Process the remaining layers. (On CPU the experts' repacking, which vLLM's update path
-        skips, runs inside that processing: `device/vllm_cpu.py`.)"""
+        skips, runs inside that processing: `device/vllm_cpu.py`.) The engine then resets the
+        prefix and encoder caches (`Engine.finish_weight_update`)."""
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
         model = self.model_runner.get_model()
         finalize_layerwise_reload(model, self.vllm_config.model_config)
         _reprocess_tied(model)
-        self.model_runner.reset_encoder_cache()
         loaded, self._weight_sync_names = len(self._weight_sync_names), set()
         return loaded
 

