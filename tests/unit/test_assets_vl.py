@@ -1,0 +1,50 @@
+"""assets/vl.py: the tiny vision-language bundle loads offline in transformers, with the vision
+tokens at the config's ids and the experts in the official checkpoint layout (vLLM's)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dapo_megatron.assets.models import TINY_VL_MOE
+
+
+@pytest.fixture(scope="module")
+def vl_dir(tmp_path_factory):
+    from dapo_megatron.assets.vl import build_vl_assets
+    return build_vl_assets(tmp_path_factory.mktemp("vl") / "qwen3_vl_moe", seed=0)
+
+
+def test_processor_loads_offline_with_the_vision_tokens(vl_dir):
+    from dapo_megatron.device.vision import load_processor
+    processor = load_processor(str(vl_dir))
+    tok = processor.tokenizer
+    for key, token in (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                       ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>")):
+        assert tok.convert_tokens_to_ids(token) == TINY_VL_MOE[key]
+        assert tok.encode(token, add_special_tokens=False) == [TINY_VL_MOE[key]]
+    assert len(tok) <= TINY_VL_MOE["text_config"]["vocab_size"]
+    ip, vc = processor.image_processor, TINY_VL_MOE["vision_config"]
+    assert (ip.patch_size, ip.temporal_patch_size, ip.merge_size) == (
+        vc["patch_size"], vc["temporal_patch_size"], vc["spatial_merge_size"])
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
+                                   tokenize=False, add_generation_prompt=True)
+    assert "<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>" in text
+
+
+def test_checkpoint_layout_and_config(vl_dir):
+    from safetensors import safe_open
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    config = json.loads((vl_dir / "config.json").read_text())
+    text = config["text_config"]
+    assert text["norm_topk_prob"] is True and text["tie_word_embeddings"] is config["tie_word_embeddings"] is False
+    E, H, I = (TINY_VL_MOE["text_config"][k] for k in ("num_experts", "hidden_size", "moe_intermediate_size"))
+    with safe_open(str(vl_dir / "model.safetensors"), "pt") as f:
+        prefix = "model.language_model.layers.0.mlp.experts."
+        assert f.get_slice(prefix + "gate_up_proj").get_shape() == [E, H, 2 * I]  # official, vLLM's
+        assert f.get_slice(prefix + "down_proj").get_shape() == [E, I, H]
+    torch.manual_seed(0)
+    fresh = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**TINY_VL_MOE)).float().state_dict()
+    loaded = Qwen3VLMoeForConditionalGeneration.from_pretrained(str(vl_dir), dtype=torch.float32).state_dict()
+    assert all(torch.equal(fresh[k], loaded[k]) for k in fresh)  # transformers reads it back exactly
