@@ -84,14 +84,15 @@ def test_prompt_expanded_to_the_image_grids(vl):
 
 
 @torch.no_grad()
-def test_logprobs_equal_hf_on_expanded_ids(vl):
+def _max_diff_to_hf(path, processor, prompts, groups) -> float:
+    """max |rollout_logprobs - HF| over all responses: HF on the engine's expanded prompt + the
+    response, with pixel values and grids of the shared processor."""
     from transformers import Qwen3VLMoeForConditionalGeneration
     from dapo_megatron.assets.models import TINY_VL_MOE
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(vl["path"], dtype=torch.float32).eval()
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
     worst = 0.0
-    for prompt, group in zip(vl["prompts"], vl["groups"]):
-        pixels = (vl["processor"].image_processor(images=list(prompt.images), return_tensors="pt")
-                  if prompt.images else {})
+    for prompt, group in zip(prompts, groups):
+        pixels = processor.image_processor(images=list(prompt.images), return_tensors="pt") if prompt.images else {}
         for response, logprobs in zip(group.responses, group.rollout_logprobs):
             ids = torch.tensor([group.prompt + response])
             logits = model(input_ids=ids, mm_token_type_ids=(ids == TINY_VL_MOE["image_token_id"]).int(),
@@ -99,8 +100,37 @@ def test_logprobs_equal_hf_on_expanded_ids(vl):
             p = len(group.prompt)
             hf = torch.log_softmax(logits[p - 1:-1], -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
             worst = max(worst, (hf - torch.tensor(logprobs)).abs().max().item())
+    return worst
+
+
+def test_logprobs_equal_hf_on_expanded_ids(vl):
+    worst = _max_diff_to_hf(vl["path"], vl["processor"], vl["prompts"], vl["groups"])
     print(f"qwen3_vl_moe: max |rollout_logprobs - HF| = {worst:.2e} (images and text prompts)")
     assert worst <= TOLERANCE
+
+
+def test_push_new_weights_vision_tower_included(vl, tmp_path):
+    """Push B (every tensor in HF names: per-layer fused experts, model.visual.*), generate the
+    same image prompts again: log-probs follow B. The images' encoder outputs of A are cached by
+    vLLM under the images' hashes; without the encoder-cache reset the prompts would reuse them."""
+    from safetensors.torch import load_file
+    from dapo_megatron.assets.vl import build_vl_assets
+    from dapo_megatron.rollout.types import Sampling
+    b = str(build_vl_assets(tmp_path / "b", seed=1))
+    state = sorted(load_file(f"{b}/model.safetensors").items())
+    assert any(name.startswith("model.visual.") for name, _ in state)
+    engine, sampling = vl["engine"], Sampling(n=2, temperature=1.0, max_tokens=NEW_TOKENS, seed=3)
+    try:
+        engine.update_weights([state[i:i + 16] for i in range(0, len(state), 16)])
+        groups = engine.generate(vl["prompts"], sampling)
+        worst = _max_diff_to_hf(b, vl["processor"], vl["prompts"], groups)
+        print(f"qwen3_vl_moe after a push: max |rollout_logprobs - HF(B)| = {worst:.2e}")
+        assert worst <= TOLERANCE
+    finally:  # back to A for the other tests
+        a = sorted(load_file(f"{vl['path']}/model.safetensors").items())
+        engine.update_weights([a])
+    again = engine.generate(vl["prompts"], sampling)
+    assert [g.responses for g in again] == [g.responses for g in vl["groups"]]
 
 
 def test_refuses_more_images_than_configured(vl):
