@@ -118,10 +118,9 @@ class Engine:
                   max_images: int = 0):
         from vllm.engine.arg_utils import EngineArgs
         from vllm.v1.engine.llm_engine import LLMEngine
-        # A VL model takes up to max_images images and no video per prompt (vLLM's profiling
-        # sizes its encoder budget from these limits).
-        # vLLM's multimodal processor needs the tokenizer (it finds the image pads by it); responses
-        # are not detokenized either way (SamplingParams.detokenize=False).
+        # A VL model takes up to max_images images and no video per prompt (vLLM's profiling sizes
+        # its encoder budget from these limits), and keeps vLLM's tokenizer: its multimodal
+        # processor needs one. Responses are not detokenized either way (detokenize=False).
         multimodal = dict(limit_mm_per_prompt={"image": max_images, "video": 0}) if max_images else {}
         args = EngineArgs(
             model=model_path, skip_tokenizer_init=not max_images, dtype=dtype, max_model_len=max_model_len,
@@ -195,7 +194,7 @@ class Engine:
             if group_id is None:
                 continue  # aborted meanwhile
             live = self._live[group_id]
-            if live.images and out.prompt_token_ids:  # with its image pads expanded to the grids
+            if live.images and out.prompt_token_ids:  # vLLM's expansion of the image pads
                 live.group.prompt = list(out.prompt_token_ids)
             c = out.outputs[0]
             logprobs = [lp[tok].logprob for tok, lp in zip(c.token_ids, c.logprobs)]
@@ -283,9 +282,11 @@ class Engine:
         ids, n = list(prompt.ids), sampling.n
         group = RolloutGroup(request_id, index, ids, [[] for _ in range(n)], [[] for _ in range(n)], [""] * n,
                              [None] * n if self.return_routes else [])
-        if prompt.images:
+        if prompt.images:  # the prompt as vLLM expands it (its outputs then confirm it, `_route`),
+            # so that a group aborted before its prefill still carries ids that match its images
             from dapo_megatron.device.vision import image_grid_thw
             group.image_grid_thw = image_grid_thw(self._image_processor, prompt.images)
+            group.prompt = self._expand_image_pads(ids, group.image_grid_thw)
         live = _Live(group, sink, [f"{request_id}#{i}" for i in range(n)], sampling, tuple(prompt.images))
         if self._tools is not None:
             live.conversations = [Conversation() for _ in range(n)]
@@ -307,6 +308,14 @@ class Engine:
                              f"the chat template must write one <|image_pad|> per image")
         if self._tools is not None:
             raise ValueError(f"request {request_id!r} has images; multi-turn rollouts take text prompts only")
+
+    def _expand_image_pads(self, ids: list[int], grids: list[list[int]]) -> list[int]:
+        """Image pad i -> t * h * w / merge^2 pads (grids[i]), as vLLM's Qwen-VL processor does."""
+        pad, merge = self._llm.model_config.hf_config.image_token_id, self._image_processor.merge_size
+        counts, out = iter(t * h * w // merge ** 2 for t, h, w in grids), []
+        for token in ids:
+            out.extend([pad] * next(counts) if token == pad else [token])
+        return out
 
     def _submit_child(self, group_id: str, i: int, request_id: str, ids: list[int], params) -> None:
         from vllm.inputs import TokensPrompt
@@ -462,7 +471,10 @@ class Engine:
 def _is_vision_language(model_path: str) -> bool:
     """Whether the HF checkpoint at model_path has a vision tower (config.json's vision_config)."""
     import json
-    with open(os.path.join(model_path, "config.json")) as f:
+    path = os.path.join(model_path, "config.json")
+    if not os.path.isfile(path):
+        return False  # not a local checkpoint: vLLM resolves it, as a text model
+    with open(path) as f:
         return "vision_config" in json.load(f)
 
 

@@ -80,6 +80,8 @@ def test_prompt_expanded_to_the_image_grids(vl):
                 run = 0
         assert runs == tokens
         assert len(group.prompt) == len(prompt.ids) - len(prompt.images) + sum(tokens)
+        # what a group aborted before vLLM's first output carries: the same expansion
+        assert vl["engine"]._expand_image_pads(list(prompt.ids), group.image_grid_thw) == group.prompt
     assert vl["groups"][1].image_grid_thw[0] != vl["groups"][1].image_grid_thw[1]
 
 
@@ -106,6 +108,43 @@ def _max_diff_to_hf(path, processor, prompts, groups) -> float:
 def test_logprobs_equal_hf_on_expanded_ids(vl):
     worst = _max_diff_to_hf(vl["path"], vl["processor"], vl["prompts"], vl["groups"])
     print(f"qwen3_vl_moe: max |rollout_logprobs - HF| = {worst:.2e} (images and text prompts)")
+    assert worst <= TOLERANCE
+
+
+def _vllm_prompt_logprobs(engine, prompt) -> list[float]:
+    """vLLM's log p(prompt token | the tokens before it) over the expanded prompt (positions
+    1..P-1), from a one-token request with prompt_logprobs, run on the engine's loop thread."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    def run():
+        request = TokensPrompt(prompt_token_ids=list(prompt.ids), multi_modal_data={"image": list(prompt.images)})
+        engine._llm.add_request("prompt-logprobs", request, SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                                                            detokenize=False))
+        while True:
+            for out in engine._llm.step():
+                if out.finished:
+                    return [lp[t].logprob for t, lp in zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+    return engine._call(run)
+
+
+@torch.no_grad()
+def test_prompt_logprobs_equal_hf(vl):
+    """Every prompt position, image tokens and the text after the images included (MRoPE)."""
+    from transformers import Qwen3VLMoeForConditionalGeneration
+    from dapo_megatron.assets.models import TINY_VL_MOE
+    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(vl["path"], dtype=torch.float32).eval()
+    worst = 0.0
+    for prompt, group in zip(vl["prompts"][:2], vl["groups"][:2]):
+        ours = torch.tensor(_vllm_prompt_logprobs(vl["engine"], prompt))
+        ids = torch.tensor([group.prompt])
+        pixels = vl["processor"].image_processor(images=list(prompt.images), return_tensors="pt")
+        logits = model(input_ids=ids, mm_token_type_ids=(ids == TINY_VL_MOE["image_token_id"]).int(),
+                       **dict(pixels)).logits[0]
+        hf = torch.log_softmax(logits[:-1], -1).gather(-1, ids[0, 1:, None])[:, 0]
+        assert ours.shape == hf.shape
+        worst = max(worst, (ours - hf).abs().max().item())
+    print(f"qwen3_vl_moe: max |vLLM prompt log-probs - HF| = {worst:.2e} (1 and 2 images)")
     assert worst <= TOLERANCE
 
 
