@@ -82,8 +82,8 @@ def _check_positive(cfg: DapoConfig) -> None:
     for key in ("data.max_prompt_length", "data.max_response_length", "data.train_batch_size",
                 "data.gen_batch_size", "rollout.n", "actor.ppo_mini_batch_size", "actor.ppo_epochs",
                 "actor.max_tokens_per_microbatch", "trainer.nnodes", "trainer.n_gpus_per_node",
-                "trainer.total_epochs", "rollout.max_concurrent_per_engine", "rollout.max_images_per_prompt", "rollout.sync.bucket_mb",
-                "data_plane.storage_units"):
+                "trainer.total_epochs", "rollout.max_concurrent_per_engine", "rollout.max_images_per_prompt",
+                "rollout.sync.bucket_mb", "data_plane.storage_units"):
         value = _get(cfg, key)
         _require(value > 0, key, f"{key} must be positive, got {value}")
     steps = cfg.trainer.total_training_steps

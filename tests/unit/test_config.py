@@ -242,3 +242,11 @@ def test_convert_layout_rules_name_the_flag(layout, flag):
     assert err.value.key == flag and flag in str(err.value)
     # Training's expert-TP rule does not apply to a conversion.
     assert checked_layout(dict(tp=2, pp=2, ep=1, etp=1), spec) == dict(tp=2, pp=2, ep=1, etp=1)
+
+
+def test_images_per_prompt_is_ours_and_positive():
+    assert load_config("quickstart", ["rollout.max_images_per_prompt=3"]).rollout.max_images_per_prompt == 3
+    with pytest.raises(ConfigError, match="rollout.max_images_per_prompt"):
+        load_config("quickstart", ["+rollout.engine_kwargs.limit_mm_per_prompt={image: 2}"])
+    with pytest.raises(ConfigError, match="rollout.max_images_per_prompt must be positive"):
+        load_config("quickstart", ["rollout.max_images_per_prompt=0"])
