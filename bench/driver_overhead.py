@@ -12,8 +12,9 @@ scoring glue, batching, logging, as opposed to waiting on workers), the bytes th
 per response (`driver/bytes_per_response`: engines' and reward worker's replies, metadata only),
 and the bytes a training rank read from the data plane over the step (`data_plane/bytes_get`,
 mean and largest rank: equal when the DP split is balanced).
-`--response-lengths` sets data.max_response_length (the tiny model mostly stops early; the table
-shows the mean length reached).
+`--response-lengths` sets data.max_response_length; responses run to it (rollout.ignore_eos: the
+tiny model would otherwise stop after ~5 tokens) unless `--stop-at-eos`. The table shows the mean
+length reached.
 `--router-replay off,actor` adds a row per actor.router_replay mode: what routing replay costs in
 step time and in bytes per response (the routes: [P + R, layers, top_k] int16 per response).
 """
@@ -31,7 +32,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--n", type=int, default=8)
     p.add_argument("--router-replay", default="off", help="actor.router_replay modes, comma-separated")
-    p.add_argument("--response-lengths", default="24", help="data.max_response_length values, comma-separated")
+    p.add_argument("--response-lengths", default="16,256", help="data.max_response_length values, comma-separated")
+    p.add_argument("--stop-at-eos", action="store_true", help="let responses end at EOS (no rollout.ignore_eos)")
     args = p.parse_args()
 
     import ray
@@ -48,7 +50,8 @@ def main() -> None:
                 f"rollout.n={args.n}", "algorithm.filter_groups.enable=false",
                 f"trainer.total_training_steps={args.steps}", "trainer.save_freq=0", "trainer.test_freq=0",
                 "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}",
-                "trainer.resume_mode=disable", f"actor.router_replay={mode}", f"data.max_response_length={length}"])
+                "trainer.resume_mode=disable", f"actor.router_replay={mode}", f"data.max_response_length={length}",
+                f"rollout.ignore_eos={not args.stop_at_eos}"])
             try:
                 run(cfg)
             finally:

@@ -126,6 +126,9 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # Keep sampling past the end-of-sequence token up to data.max_response_length (benchmarks:
+    # responses of a chosen length from any model; verl's rollout.ignore_eos). Training sampling only.
+    ignore_eos: bool = False
     seed: int = 0
     gpu_memory_utilization: float = 0.6
     max_num_batched_tokens: int = 8192

@@ -103,6 +103,10 @@ def _check_positive(cfg: DapoConfig) -> None:
         _require(cfg.actor.router_replay != "rollout", "actor.router_replay",
                  "actor.router_replay=rollout does not run with rollout.multi_turn.enable=true: set "
                  "actor.router_replay=actor (routes recorded by the old-log-prob pass)")
+        # A turn ends at its stop token; without one every turn runs to the token budget.
+        _require(not cfg.rollout.ignore_eos, "rollout.ignore_eos",
+                 "rollout.ignore_eos=true does not run with rollout.multi_turn.enable=true (turns end at their "
+                 "end-of-turn token); set rollout.ignore_eos=false")
     if cfg.reward.overlong_buffer.enable:
         buf = cfg.reward.overlong_buffer.len
         _require(0 < buf <= cfg.data.max_response_length, "reward.overlong_buffer.len",

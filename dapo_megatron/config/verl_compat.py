@@ -54,7 +54,7 @@ RENAMES: dict[str, str] = {
     _A + "megatron.dist_checkpointing_path": "model.load_checkpoint",
     **{_RO + k: "rollout." + k for k in (
         "n", "temperature", "top_p", "top_k", "name", "gpu_memory_utilization",
-        "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching")},
+        "max_num_batched_tokens", "enforce_eager", "enable_prefix_caching", "ignore_eos")},
     _RO + "tensor_model_parallel_size": "rollout.parallel.tp",
     _RO + "expert_parallel_size": "rollout.parallel.ep",
     _RO + "max_num_seqs": "rollout.max_concurrent_per_engine",
@@ -213,7 +213,6 @@ FIXED_VALUES: dict[str, tuple[str, str]] = {
     "transfer_queue.enable": ("true", "batches always move through the data plane (TransferQueue): the driver "
                                       "handles metadata only"),
     _RO + "calculate_log_probs": ("true", "the engines always return rollout_logprobs"),
-    _RO + "ignore_eos": ("false", "responses end at the end-of-sequence token"),
     _RO + "data_parallel_size": ("1", "each engine is one replica (rollout.parallel.tp x ep devices); more "
                                       "replicas are more engines (rollout.num_engines)"),
     "algorithm.filter_groups.drop_last_mini_batch": ("true", "dynamic sampling fills data.train_batch_size, so "

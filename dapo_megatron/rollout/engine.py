@@ -270,7 +270,8 @@ class Engine:
         return SamplingParams(
             n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=max_tokens or sampling.max_tokens, seed=self.child_seed(sampling.seed, prompt, i),
-            stop_token_ids=list(sampling.stop_token_ids), logprobs=0, detokenize=False,
+            stop_token_ids=[] if sampling.ignore_eos else list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
+            logprobs=0, detokenize=False,
             output_kind=RequestOutputKind.DELTA)  # deltas: an aborted response keeps its tokens
 
     def _add(self, request_id: str, prompt: Prompt, sampling: Sampling, index: int, sink) -> None:

@@ -22,12 +22,13 @@ class Sampling:
     max_tokens: int = 256
     seed: Optional[int] = None  # None: nondeterministic; else per response from (seed, prompt, i)
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # sample past EOS and the stop tokens, to max_tokens
 
     @classmethod
     def from_config(cls, cfg, max_tokens: int, seed: Optional[int] = None) -> "Sampling":
         """Training sampling from a `RolloutConfig` (rollout.n, rollout.temperature, ...)."""
         return cls(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                   max_tokens=max_tokens, seed=seed)
+                   max_tokens=max_tokens, seed=seed, ignore_eos=cfg.ignore_eos)
 
     @classmethod
     def validation(cls, cfg, max_tokens: int, seed: Optional[int] = None) -> "Sampling":

@@ -217,3 +217,18 @@ def test_n_samples_are_distinct_and_reproducible(setup):
         assert all(len(lp) == 16 for lp in g.rollout_logprobs)
     again = engine.generate(RECORDS[:2], sampling)
     assert [g.responses for g in again] == [g.responses for g in first]
+
+
+def test_ignore_eos_samples_past_the_stop_tokens(setup):
+    """rollout.ignore_eos: with a stop token the greedy response would hit, the response goes on
+    to max_tokens and equals the unstopped greedy one; without it, it ends at that token."""
+    from dapo_megatron.rollout.types import Sampling
+    engine = setup["engine"]
+    free = _greedy(engine)[0].responses[0]
+    stop = free[len(free) // 2]
+    cut = free.index(stop) + 1  # the stop token itself is the last one returned
+    args = dict(temperature=0.0, max_tokens=NEW_TOKENS, stop_token_ids=(stop,))
+    (stopped,) = engine.generate(RECORDS[:1], Sampling(**args))
+    assert stopped.finish_reasons == ["stop"] and stopped.responses[0] == free[:cut]
+    (past,) = engine.generate(RECORDS[:1], Sampling(**args, ignore_eos=True))
+    assert past.finish_reasons == ["length"] and past.responses[0] == free and len(free) == NEW_TOKENS

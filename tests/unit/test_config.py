@@ -141,6 +141,7 @@ RULES = [
     (["rollout.multi_turn.enable=true", "rollout.multi_turn.max_turns=0"], "rollout.multi_turn.max_turns"),
     (["rollout.multi_turn.enable=true", "rollout.multi_turn.format=xml"], "rollout.multi_turn.format"),
     (["rollout.multi_turn.enable=true", "actor.router_replay=rollout"], "actor.router_replay"),
+    (["rollout.multi_turn.enable=true", "rollout.ignore_eos=true"], "rollout.ignore_eos"),
     (["trainer.placement=split", "rollout.num_devices=2"], "rollout.num_devices"),
     (["trainer.n_gpus_per_node=4", "actor.parallel.ep=1", "actor.parallel.tp=1", "rollout.n=3",
       "actor.ppo_mini_batch_size=2", "data.train_batch_size=2", "data.gen_batch_size=2"], "actor.ppo_mini_batch_size"),

@@ -75,6 +75,7 @@ TRANSLATED = [
     (["actor_rollout_ref.rollout.multi_turn.max_assistant_turns=5"], "rollout.multi_turn.max_turns", 5),
     (["++transfer_queue.num_data_storage_units=4"], "data_plane.storage_units", 4),
     (["++transfer_queue.enable=True"], "data_plane.backend", "transfer_queue"),
+    (["actor_rollout_ref.rollout.ignore_eos=True"], "rollout.ignore_eos", True),
 ]
 
 
