@@ -106,25 +106,16 @@ TINY_VL_MOE: dict[str, Any] = dict(
     tie_word_embeddings=False)
 
 
-def build_tiny_vl_model(out_dir: str, *, seed: int = 0, official_layout: bool = False) -> str:
+def build_tiny_vl_model(out_dir: str, *, seed: int = 0) -> str:
     """A random-init tiny Qwen3-VL-MoE (TINY_VL_MOE) saved with transformers' save_pretrained.
 
     transformers 5.19 saves the fused experts in its in-memory layout (`experts.gate_up_proj`
     [E, 2I, H], `experts.down_proj` [E, H, I]), not the official checkpoints' transposed one
-    ([E, H, 2I], [E, I, H]), which vLLM reads (it transposes every fused expert tensor) and the
-    converter writes. `official_layout` rewrites them in the official layout; transformers and
-    our loader read both.
+    ([E, H, 2I], [E, I, H]); read them back with transformers, not as official files.
     """
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
     torch.manual_seed(seed)
     model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**TINY_VL_MOE)).float()
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    if official_layout:
-        from safetensors.torch import load_file, save_file
-        path = os.path.join(out_dir, "model.safetensors")
-        tensors = load_file(path)
-        for name in [n for n in tensors if n.endswith((".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"))]:
-            tensors[name] = tensors[name].transpose(1, 2).contiguous()
-        save_file(tensors, path, metadata={"format": "pt"})
     return out_dir

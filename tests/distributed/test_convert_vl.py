@@ -17,13 +17,31 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LOGITS_TOL = 1e-4  # fp32
 
 
+def _in_layout(src: str, dst: str, layout: str) -> str:
+    """A copy of the HF dir `src` with its fused expert tensors in `layout` (reshape.FUSED_LAYOUTS)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dapo_megatron.models import ModelSpec
+    from dapo_megatron.weights import name_map, reshape
+    shutil.copytree(src, dst)
+    spec, tensors = ModelSpec.from_pretrained(src), load_file(os.path.join(src, "model.safetensors"))
+    for name, (_, (rows, cols)) in name_map.fused_experts(spec).items():
+        if reshape.fused_experts_layout(tensors[name].shape, spec.num_experts, rows, cols) != layout:
+            tensors[name] = tensors[name].transpose(1, 2).contiguous()
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
 @pytest.fixture(scope="module")
 def vl_dirs(tmp_path_factory):
-    """The same weights saved by transformers (fused experts untransposed) and in the official layout."""
+    """The same weights with the fused experts as transformers 5.19's save_pretrained writes them
+    ("rows": [E, 2I, H], [E, H, I]) and as official checkpoints hold them ([E, H, 2I], [E, I, H])."""
     from dapo_megatron.assets.models import build_tiny_vl_model
     root = tmp_path_factory.mktemp("vl")
-    return {"rows": build_tiny_vl_model(str(root / "rows")),
-            "official": build_tiny_vl_model(str(root / "official"), official_layout=True)}
+    saved = build_tiny_vl_model(str(root / "saved"))
+    return {layout: _in_layout(saved, str(root / layout), layout) for layout in ("rows", "official")}
 
 
 @pytest.fixture(scope="module")

@@ -133,12 +133,14 @@ def test_the_layout_is_told_by_shape_and_a_wrong_one_is_named(tmp_path):
         UnstackedExperts(HFCheckpoint(str(tmp_path)), spec).shape(LM + "layers.2.mlp.experts.1.up_proj.weight")
 
 
-def test_expected_names_match_a_saved_tiny_vl_checkpoint(tmp_path):
-    """transformers' own save (rows layout) passes the name and shape checks; the tower's names
-    and shapes are the file's."""
-    from dapo_megatron.assets.models import build_tiny_vl_model
+def test_expected_names_match_transformers_own_save(tmp_path):
+    """transformers' save_pretrained (the rows layout) passes the name and shape checks; the
+    tower's names and shapes are the file's."""
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
     from dapo_megatron.weights.load import check_hf_checkpoint
-    d = build_tiny_vl_model(str(tmp_path / "vl"))
+    d = str(tmp_path / "vl")
+    Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**TINY_VL_MOE)).save_pretrained(d)
     spec, ckpt = ModelSpec.from_pretrained(d), HFCheckpoint(d)
     expected = name_map.expected_hf_shapes(spec)
     assert set(expected) == ckpt.keys()
