@@ -109,3 +109,28 @@ def test_a_misshapen_fused_expert_tensor_is_one_line(vl_dirs, tmp_path):
     line = _error_line(proc)
     assert name in line and "[4, 64, 160]" in line and "[4, 96, 160]" in line, line
     _assert_nothing_left(str(out))
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, ep=2), dict(pp=2)], ids=["tp2xep2", "pp2"])
+def test_exports_equal_the_file_and_the_sync_sends_each_tensor_once(vl_dirs, layout):
+    """In-process export (no dist checkpoint): the converter's (fused experts) equals the official
+    file on every rank of a stage; the weight sync's per-expert tensors, over all ranks, are every
+    tensor the tables name exactly once (the tower from the first stage's TP rank 0 only)."""
+    from collections import Counter
+
+    from vl_jobs import vl_exports
+
+    from dapo_megatron.models import ModelSpec
+    from dapo_megatron.train.parallel import run_workers
+    from dapo_megatron.weights import HFCheckpoint, name_map
+    hf = vl_dirs["official"]
+    parallel = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, **layout}
+    per_rank = run_workers(vl_exports, 2, hf, parallel, timeout_s=300)
+    assert [b for r in per_rank for mode in r.values() for b in mode["bad"]] == []
+    assert set().union(*(r["gather"]["names"] for r in per_rank)) == HFCheckpoint(hf).keys()
+    sent = Counter(n for r in per_rank for n in r["sent"]["names"])
+    wire = name_map.expected_hf_shapes(ModelSpec.from_pretrained(hf), files=False)
+    assert set(sent) == set(wire) and set(sent.values()) == {1}
+    if parallel["ep"] > 1:  # each EP rank sends only its own experts
+        experts = [{n for n in r["sent"]["names"] if ".experts." in n} for r in per_rank]
+        assert all(0 < len(e) < len([n for n in wire if ".experts." in n]) for e in experts)

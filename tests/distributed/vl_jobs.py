@@ -68,3 +68,26 @@ def vl_tower_grads(hf_dir: str, parallel: dict, micro: dict) -> bytes:
 
     forward_backward(chunks, spec.arch, [_micro(micro)], loss_fn, forward_only=False)
     return pack({n: p.grad for c in chunks if hasattr(c, "visual") for n, p in c.visual.named_parameters()})
+
+
+def vl_exports(hf_dir: str, parallel: dict) -> dict:
+    """Load `hf_dir` (official expert layout) through the tables, then export it both ways and
+    compare with the file: gather (the converter's: fused experts, official layout) and what this
+    rank's weight sync sends (`sync.owned_tensors`: experts per expert, global ids). Returns the
+    names each yielded and those not bit-identical to the file."""
+    from dapo_megatron.weights import HFCheckpoint, iter_hf_tensors
+    from dapo_megatron.weights.load import UnstackedExperts
+    from dapo_megatron.weights.sync import owned_tensors
+    _, spec, chunks = _build(hf_dir, parallel)
+    ckpt = HFCheckpoint(hf_dir)
+    out = {}
+    for mode, items, source in (("gather", iter_hf_tensors(chunks), ckpt),
+                                ("sent", owned_tensors(chunks), UnstackedExperts(ckpt, spec))):
+        names, bad = [], []
+        for name, tensor in items:
+            names.append(name)
+            ref = source.read(name)
+            if ref.dtype != tensor.dtype or ref.shape != tensor.shape or not torch.equal(ref, tensor):
+                bad.append(name)
+        out[mode] = dict(names=names, bad=bad)
+    return out
