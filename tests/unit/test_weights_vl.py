@@ -59,6 +59,10 @@ def test_expected_shapes_fuse_the_experts_in_the_official_layout():
     assert files["lm_head.weight"] == (509, h) and files[LM + "embed_tokens.weight"] == (509, h)
     # per layer: 2 fused expert tensors in the files, 3 per expert on the wire
     assert len(wire) - len(files) == 4 * (3 * e - 2)
+    # tied: text_config's flag (the one vLLM reads) decides; no lm_head in the files
+    text = {**TINY_VL_MOE["text_config"], "tie_word_embeddings": True}
+    tied = ModelSpec.from_hf(dict(model_type=VL, **{**TINY_VL_MOE, "text_config": text}))
+    assert "lm_head.weight" not in name_map.expected_hf_shapes(tied) and tied.tie_word_embeddings
 
 
 def _arange_checkpoint(path, spec, layout: str) -> dict:
