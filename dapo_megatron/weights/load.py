@@ -125,8 +125,63 @@ def check_names(ckpt: HFCheckpoint, spec) -> None:
 
 
 def check_shapes(ckpt: HFCheckpoint, spec) -> None:
+    fused = name_map.fused_experts(spec)
     for name, shape in sorted(name_map.expected_hf_shapes(spec).items()):
-        _check_shape(ckpt, name, shape)
+        if name in fused:
+            fused_layout(ckpt, name, spec.num_experts, fused[name][1])
+        else:
+            _check_shape(ckpt, name, shape)
+
+
+def fused_layout(ckpt: HFCheckpoint, name: str, num_experts: int, rows_cols: tuple[int, int]) -> str:
+    """The layout of a fused expert tensor (`reshape.FUSED_LAYOUTS`); a shape that is neither
+    is an error naming it."""
+    rows, cols = rows_cols
+    got = ckpt.shape(name)
+    layout = reshape.fused_experts_layout(got, num_experts, rows, cols)
+    if layout is None:
+        raise CheckpointError(f"tensor {name} has shape {list(got)}, expected {[num_experts, cols, rows]} "
+                              f"(or transformers' {[num_experts, rows, cols]})")
+    return layout
+
+
+class UnstackedExperts:
+    """An HFCheckpoint whose fused expert tensors (`name_map.FUSED_EXPERTS`) read as the
+    per-expert tensors the name tables use, in either layout; other tensors read through."""
+
+    def __init__(self, ckpt: HFCheckpoint, spec):
+        self.ckpt, self.dir, self.num_experts = ckpt, ckpt.dir, spec.num_experts
+        self.fused = name_map.fused_experts(spec)
+        self.parts = {}  # per-expert name -> (fused name, expert, number of parts, part)
+        for fused, (names, _) in self.fused.items():
+            n = len(names) // spec.num_experts
+            self.parts.update((name, (fused, i // n, n, i % n)) for i, name in enumerate(names))
+        self._layouts: dict[str, str] = {}
+        self._last = (None, None)  # ((fused, expert), its slice): gate and up are read in a row
+
+    def _layout(self, fused: str) -> str:
+        if fused not in self._layouts:
+            self._layouts[fused] = fused_layout(self.ckpt, fused, self.num_experts, self.fused[fused][1])
+        return self._layouts[fused]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        if name not in self.parts:
+            return self.ckpt.shape(name)
+        fused, _, n, _ = self.parts[name]
+        self._layout(fused)
+        rows, cols = self.fused[fused][1]
+        return rows // n, cols
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        if name not in self.parts:
+            return self.ckpt.read(name, dim, start, end)
+        fused, expert, n, part = self.parts[name]
+        if self._last[0] != (fused, expert):
+            self._last = ((fused, expert), self.ckpt.read(fused, 0, expert, expert + 1)[0])
+        t = reshape.expert_part(self._last[1], self._layout(fused), n, part)
+        if dim is not None:
+            t = t.narrow(dim, start, (t.shape[dim] if end is None else end) - start)
+        return t.contiguous()
 
 
 def check_hf_checkpoint(hf_dir: str, spec) -> None:
@@ -148,12 +203,14 @@ def _load_local(model_chunks, hf_dir: str, progress: bool, adopt: bool) -> None:
     ckpt = HFCheckpoint(hf_dir)
     show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
     try:
-        check_names(ckpt, unwrap(model_chunks[0]).spec)
+        spec = unwrap(model_chunks[0]).spec
+        check_names(ckpt, spec)
+        source = UnstackedExperts(ckpt, spec) if name_map.FUSED_EXPERTS.get(spec.model_type) else ckpt
         for chunk in model_chunks:
             geo = chunk_geometry(chunk)
             maps = list(param_maps(chunk, geo))
             for pm, param in tqdm(maps, desc="load", unit="param", disable=not show):
-                tensor = _READERS[pm.kind](ckpt, pm, param, geo)
+                tensor = _READERS[pm.kind](source, pm, param, geo)
                 if tensor.shape != param.shape:
                     raise CheckpointError(f"{pm.mcore_name}: built {list(tensor.shape)} from "
                                           f"{list(pm.hf_names.values())}, model has {list(param.shape)}")

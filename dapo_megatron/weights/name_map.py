@@ -5,6 +5,10 @@ Each row maps an HF name template to a Megatron one (`{}`: layer id, then expert
 `linear_qkv`, gate/up of `linear_fc1`; `reshape.py` does the fusing. Megatron names are those
 of the local (torch) layer spec; `TE_ALIASES` renames the norms Transformer Engine fuses.
 Layer and expert ids in the tables are global; `resolve` maps a rank's local ids to them.
+A vision-language model keeps its language model under another HF prefix (`LANGUAGE_MODEL`), its
+vision tower under one copied as-is (`VERBATIM`), and its experts fused per layer in the files
+(`FUSED_EXPERTS`); the tables name the per-expert tensors, which the weight sync sends and vLLM
+loads, and the loader / exporter (un)stack them for files.
 """
 from __future__ import annotations
 
@@ -45,10 +49,35 @@ MOE_MLP = {
     "model.layers.{}.mlp.experts.{}.down_proj.weight":
         "decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight",
 }
+# Qwen3-VL-MoE: the text model's names under `model.language_model.` (lm_head stays at the top).
+LANGUAGE_MODEL = {"qwen3_vl_moe": "model.language_model."}
+
+
+def _under(prefix: str, table: dict) -> dict:
+    """A table's rows with HF names `model.X` renamed `<prefix>X`."""
+    return {(prefix + hf[len("model."):] if hf.startswith("model.") else hf): mc for hf, mc in table.items()}
+
+
 HF_TO_MCORE = {
     "qwen2": {**BASE, **QKV_BIAS, **DENSE_MLP},
     "qwen3": {**BASE, **QK_NORM, **DENSE_MLP},
     "qwen3_moe": {**BASE, **QK_NORM, **MOE_MLP},
+    "qwen3_vl_moe": _under(LANGUAGE_MODEL["qwen3_vl_moe"], {**BASE, **QK_NORM, **MOE_MLP}),
+}
+# Megatron prefix -> HF prefix of modules whose parameters keep their HF names and layout below
+# it, replicated over TP (not split): Qwen3-VL's vision tower, on the first pipeline stage.
+VERBATIM = {"qwen3_vl_moe": {"visual.": "model.visual."}}
+# HF files that hold each layer's experts as one tensor: fused name -> the per-expert tensors it
+# stacks, concatenated along their rows (an expert's [gate_proj; up_proj], or down_proj). The
+# official Qwen3-VL checkpoints, and vLLM (`is_fused_checkpoint_transposed`), hold them
+# transposed: gate_up_proj [E, H, 2I], down_proj [E, I, H]; transformers 5.19's save_pretrained
+# writes them untransposed ([E, 2I, H], [E, H, I]). Both load (told apart by shape,
+# `reshape.fused_experts_layout`); we write the official one.
+FUSED_EXPERTS = {
+    "qwen3_vl_moe": {
+        "model.language_model.layers.{}.mlp.experts.gate_up_proj": ("gate_proj", "up_proj"),
+        "model.language_model.layers.{}.mlp.experts.down_proj": ("down_proj",),
+    },
 }
 # Transformer Engine's spec fuses the pre-attention / dense pre-MLP norms into the next linear.
 TE_ALIASES = {
@@ -127,6 +156,9 @@ def resolve(mcore_name: str, model_type: str, *, global_layer: dict, expert_offs
     `global_layer`: local layer index -> global layer id of this chunk; `expert_offset`:
     experts_per_rank * ep_rank. Raises KeyError naming the parameter when no table row matches.
     """
+    for mc_prefix, hf_prefix in VERBATIM.get(model_type, {}).items():
+        if mcore_name.startswith(mc_prefix):
+            return ParamMap(mcore_name, "copy", {None: hf_prefix + mcore_name[len(mc_prefix):]})
     template, layer, expert = split_ids(mcore_name)
     template = TE_ALIASES.get(template, template)
     row = mcore_to_hf_table(model_type).get(template)
@@ -137,14 +169,14 @@ def resolve(mcore_name: str, model_type: str, *, global_layer: dict, expert_offs
                        expert + expert_offset if expert is not None else None) if i is not None]
     hf_names = {part: hf.format(*ids) for part, hf in parts.items()}
     if tied and template == "output_layer.weight":  # the last PP stage's copy of the embedding
-        hf_names = {None: "model.embed_tokens.weight"}
+        hf_names = {None: mcore_to_hf_table(model_type)["embedding.word_embeddings.weight"][1][None]}
     return ParamMap(mcore_name, kind, hf_names, is_expert=expert is not None,
                     is_vocab=template in VOCAB_PARAMS, tp_dim=TP_DIM.get(template))
 
 
 # Full HF shape of each tensor, in named dims of the model (`ModelSpec.dims`); checked from the file
 # headers before any worker starts, so a misshapen tensor is reported by name up front.
-HF_SHAPES = {
+_TEXT_SHAPES = {
     "model.embed_tokens.weight": ("vocab", "hidden"),
     "lm_head.weight": ("vocab", "hidden"),
     "model.norm.weight": ("hidden",),
@@ -167,6 +199,8 @@ HF_SHAPES = {
     "model.layers.{}.mlp.experts.{}.up_proj.weight": ("moe_ffn", "hidden"),
     "model.layers.{}.mlp.experts.{}.down_proj.weight": ("hidden", "moe_ffn"),
 }
+HF_SHAPES = {**_TEXT_SHAPES, **{k: v for prefix in set(LANGUAGE_MODEL.values())
+                                for k, v in _under(prefix, _TEXT_SHAPES).items()}}
 
 
 def _expand(template: str, num_layers: int, num_experts: int) -> list[str]:
@@ -179,9 +213,10 @@ def _expand(template: str, num_layers: int, num_experts: int) -> list[str]:
     return [template.format(l, e) for l in range(num_layers) for e in range(num_experts)]
 
 
-def expected_hf_shapes(spec) -> dict[str, tuple[int, ...]]:
+def expected_hf_shapes(spec, files: bool = True) -> dict[str, tuple[int, ...]]:
     """{HF name: full shape} of every tensor a complete checkpoint of `spec` (a ModelSpec) holds;
-    a tied model has no lm_head."""
+    a tied model has no lm_head. `files`: fused experts as the files hold them (official layout),
+    else the per-expert tensors of the tables (what the weight sync sends)."""
     dims = spec.dims
     out = {}
     for template in _table(spec.model_type):
@@ -189,4 +224,36 @@ def expected_hf_shapes(spec) -> dict[str, tuple[int, ...]]:
             continue
         shape = tuple(dims[d] for d in HF_SHAPES[template])
         out.update((name, shape) for name in _expand(template, spec.num_layers, spec.num_experts))
+    if files:
+        for fused, (stacked, (rows, cols)) in fused_experts(spec).items():
+            for name in stacked:
+                del out[name]
+            out[fused] = (spec.num_experts, cols, rows)  # official: each expert's rows transposed
+    if VERBATIM.get(spec.model_type):
+        out.update(vision_tower_shapes(spec))
     return out
+
+
+def fused_experts(spec) -> dict[str, tuple[list[str], tuple[int, int]]]:
+    """{fused file tensor: (per-expert names it stacks, expert by expert and part by part;
+    (rows, cols) of one expert's parts concatenated)} of `spec`; {} for a model without them."""
+    out = {}
+    for template, parts in FUSED_EXPERTS.get(spec.model_type, {}).items():
+        stem = template.rsplit(".", 1)[0]  # model.language_model.layers.{}.mlp.experts
+        part_shape = tuple(spec.dims[d] for d in HF_SHAPES[f"{stem}.{{}}.{parts[0]}.weight"])
+        for layer in range(spec.num_layers):
+            names = [f"{stem.format(layer)}.{e}.{p}.weight" for e in range(spec.num_experts) for p in parts]
+            out[template.format(layer)] = (names, (part_shape[0] * len(parts), part_shape[1]))
+    return out
+
+
+def vision_tower_shapes(spec) -> dict[str, tuple[int, ...]]:
+    """{HF name: shape} of the vision tower's parameters, from a tower built on the meta device
+    (its config says more than a table could: depth, deepstack mergers, patch sizes)."""
+    import torch
+
+    from dapo_megatron.models.qwen3_vl import build_vision_tower
+    with torch.device("meta"):
+        tower = build_vision_tower(spec)
+    hf_prefix = next(iter(VERBATIM[spec.model_type].values()))
+    return {hf_prefix + name: tuple(p.shape) for name, p in tower.named_parameters()}

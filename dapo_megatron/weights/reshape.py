@@ -1,7 +1,8 @@
 """Pure tensor reshapes between HF and Megatron layouts (no torch.distributed, no Megatron).
 
 What the name tables cannot say lives here: the fused QKV interleaved per query group, gate/up
-fused into linear_fc1, expert ids global <-> per EP rank, and the vocab rows padded for TP.
+fused into linear_fc1, expert ids global <-> per EP rank, the vocab rows padded for TP, and the
+experts that a file stacks into one tensor per layer (Qwen3-VL-MoE, `name_map.FUSED_EXPERTS`).
 """
 from __future__ import annotations
 
@@ -70,3 +71,34 @@ def pad_vocab(t: torch.Tensor, padded_rows: int) -> torch.Tensor:
 
 def trim_vocab(t: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return t[:vocab_size]
+
+
+# Layouts of a layer's experts stacked in one file tensor [E, ...]: "official" holds each
+# expert's parts concatenated along their rows, then transposed (Qwen3-VL checkpoints, vLLM);
+# "rows" untransposed (transformers 5.19's save_pretrained).
+FUSED_LAYOUTS = ("official", "rows")
+
+
+def fused_experts_layout(shape: tuple[int, ...], num_experts: int, rows: int, cols: int) -> str | None:
+    """The layout of a fused expert tensor of `shape`, whose experts' parts concatenated are
+    [rows, cols]; None when it is neither. A square [rows == cols] tensor reads as official,
+    as vLLM reads every fused checkpoint tensor."""
+    if tuple(shape) == (num_experts, cols, rows):
+        return "official"
+    if tuple(shape) == (num_experts, rows, cols):
+        return "rows"
+    return None
+
+
+def expert_part(fused_expert: torch.Tensor, layout: str, num_parts: int, part: int) -> torch.Tensor:
+    """One expert's slice of a fused tensor ([cols, rows] official, [rows, cols] else) -> its
+    part-th HF tensor (gate_proj, up_proj of gate_up_proj; down_proj) [rows / num_parts, cols], a view."""
+    rows_first = fused_expert.t() if layout == "official" else fused_expert
+    return rows_first.chunk(num_parts, dim=0)[part]
+
+
+def stack_experts(parts: list[torch.Tensor], num_parts: int) -> torch.Tensor:
+    """Per-expert HF tensors, expert by expert and part by part ([gate_0, up_0, gate_1, ...]) ->
+    the fused tensor in the official layout [E, cols, rows]; inverse of `expert_part`."""
+    experts = [torch.cat(parts[i:i + num_parts], dim=0).t() for i in range(0, len(parts), num_parts)]
+    return torch.stack(experts)

@@ -1,9 +1,6 @@
-"""Worker jobs of test_vl_model.py, run on every rank of a local gloo group.
-
-The Qwen3-VL-MoE weights are copied here from the transformers model's state dict by
-`copy_hf_weights`: the project's name maps (`weights/name_map.py`) have no qwen3_vl_moe table yet
-(the text part sits under `model.language_model.`, the experts are fused 3-D tensors and the
-vision tower's names are not layer-templated), so `load_hf_checkpoint` cannot load this model.
+"""Worker jobs of test_vl_model.py, run on every rank of a local gloo group. The weights come
+from the HF dir through the project's loader (`load_hf_checkpoint`, the name tables of
+`weights/name_map.py`), as the trainer and the converter load them.
 """
 from __future__ import annotations
 
@@ -12,73 +9,17 @@ from types import SimpleNamespace
 import torch
 
 from dapo_megatron.config.schema import ParallelConfig
-from dapo_megatron.weights import name_map, reshape
-
-
-def _text_rows() -> dict:
-    """Megatron template -> (kind, {part: HF template}) of the text part: Qwen3-MoE's rows under the
-    VL checkpoint's `model.language_model.` prefix; the experts are fused in HF (`_hf_expert`)."""
-    rows = {}
-    for mcore, (kind, parts) in name_map.mcore_to_hf_table("qwen3_moe").items():
-        if ".experts." not in mcore:
-            rows[mcore] = (kind, {p: hf.replace("model.", "model.language_model.", 1) for p, hf in parts.items()})
-    return rows
-
-
-def _hf_expert(hf: dict, template: str, layer: int, expert: int) -> torch.Tensor:
-    # transformers' in-memory layout: gate_up_proj [E, 2I, H] (gate rows first, as Megatron's
-    # linear_fc1), down_proj [E, H, I] (= linear_fc2's [H, I]).
-    stem = f"model.language_model.layers.{layer}.mlp.experts."
-    return hf[stem + ("gate_up_proj" if template.endswith("linear_fc1.weight") else "down_proj")][expert]
-
-
-def _full_tensor(name: str, hf: dict, spec, geo: dict, rows: dict) -> torch.Tensor:
-    """The TP-1 Megatron tensor of the rank-local parameter `name`."""
-    if name.startswith("visual."):
-        return hf["model." + name]  # the HF tower itself: same names under model.visual.
-    template, layer, expert = name_map.split_ids(name)
-    layer = geo["global_layer"][layer] if layer is not None else None
-    if expert is not None:
-        return _hf_expert(hf, template, layer, expert + geo["expert_offset"])
-    kind, parts = rows[template]
-    src = {p: hf[n.format(layer) if layer is not None else n] for p, n in parts.items()}
-    if kind == "qkv":  # grouped per query group: a row split over TP gives each rank its groups
-        return reshape.qkv_to_mcore(src["q"], src["k"], src["v"], num_groups=spec.num_kv_heads, head_dim=spec.head_dim)
-    assert kind == "copy", kind
-    return src[None]
-
-
-def copy_hf_weights(chunk, hf: dict) -> None:
-    """Copy a transformers Qwen3-VL-MoE state dict into this rank's Megatron chunk (TP / EP / PP;
-    expert-TP 1)."""
-    from dapo_megatron.weights.load import chunk_geometry
-    geo, spec, rows = chunk_geometry(chunk), chunk.spec, _text_rows()
-    assert geo["etp"][0] == 1, "copy_hf_weights splits experts over EP only"
-    for name, param in chunk.named_parameters():
-        full = _full_tensor(name, hf, spec, geo, rows)
-        template = name_map.split_ids(name)[0]
-        if template in name_map.VOCAB_PARAMS:  # Megatron pads the vocab rows for TP
-            full = reshape.pad_vocab(full, param.shape[0] * geo["tp"][0])
-        dim = None if ".experts." in name else name_map.TP_DIM.get(template)
-        if dim is not None and geo["tp"][0] > 1:
-            full = full.chunk(geo["tp"][0], dim=dim)[geo["tp"][1]]
-        assert full.shape == param.shape, (name, full.shape, param.shape)
-        with torch.no_grad():
-            param.copy_(full)
 
 
 def _build(hf_dir: str, parallel: dict):
     """(coords, spec, chunks) of the tiny VL model at `parallel`, weights from the HF dir."""
-    from transformers import Qwen3VLMoeForConditionalGeneration
-
     from dapo_megatron.models import ModelSpec, build_model
     from dapo_megatron.train.parallel import init_parallel
+    from dapo_megatron.weights import load_hf_checkpoint
     info = init_parallel(ParallelConfig(**parallel))
     spec = ModelSpec.from_pretrained(hf_dir)
     chunks = build_model(spec, dtype="fp32", perform_initialization=False)
-    hf = Qwen3VLMoeForConditionalGeneration.from_pretrained(hf_dir, dtype=torch.float32).state_dict()
-    for chunk in chunks:
-        copy_hf_weights(chunk, hf)
+    load_hf_checkpoint(chunks, hf_dir)
     return info, spec, chunks
 
 
@@ -127,3 +68,26 @@ def vl_tower_grads(hf_dir: str, parallel: dict, micro: dict) -> bytes:
 
     forward_backward(chunks, spec.arch, [_micro(micro)], loss_fn, forward_only=False)
     return pack({n: p.grad for c in chunks if hasattr(c, "visual") for n, p in c.visual.named_parameters()})
+
+
+def vl_exports(hf_dir: str, parallel: dict) -> dict:
+    """Load `hf_dir` (official expert layout) through the tables, then export it both ways and
+    compare with the file: gather (the converter's: fused experts, official layout) and what this
+    rank's weight sync sends (`sync.owned_tensors`: experts per expert, global ids). Returns the
+    names each yielded and those not bit-identical to the file."""
+    from dapo_megatron.weights import HFCheckpoint, iter_hf_tensors
+    from dapo_megatron.weights.load import UnstackedExperts
+    from dapo_megatron.weights.sync import owned_tensors
+    _, spec, chunks = _build(hf_dir, parallel)
+    ckpt = HFCheckpoint(hf_dir)
+    out = {}
+    for mode, items, source in (("gather", iter_hf_tensors(chunks), ckpt),
+                                ("sent", owned_tensors(chunks), UnstackedExperts(ckpt, spec))):
+        names, bad = [], []
+        for name, tensor in items:
+            names.append(name)
+            ref = source.read(name)
+            if ref.dtype != tensor.dtype or ref.shape != tensor.shape or not torch.equal(ref, tensor):
+                bad.append(name)
+        out[mode] = dict(names=names, bad=bad)
+    return out
