@@ -9,7 +9,8 @@ error names the file and the 0-based row index (for JSONL also the line), so a b
 
 Rows with images (geo3k): `images.row_images` decodes them onto `Prompt.images` and turns the
 `<image>` placeholders into image parts for the chat template, which must render each as one
-`<|image_pad|>` (a vision-language tokenizer; vLLM expands it). Lengths count that one token.
+`<|image_pad|>` (a vision-language tokenizer; vLLM expands it). Lengths count the expanded image
+tokens when the caller gives `image_tokens` (the model's image processor), else one per image.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import json
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import pyarrow.parquet as pq
 
@@ -49,11 +50,15 @@ class PromptDataset:
     """All rows of `files`, concatenated in order; items are PromptItem, `stats` counts what was dropped."""
 
     def __init__(self, files: list[str], tokenizer, *, prompt_key: str, max_prompt_length: int, truncation: str,
-                 skip_bad_rows: bool, config_key: str = "data.train_files", tools: list[dict] | None = None):
+                 skip_bad_rows: bool, config_key: str = "data.train_files", tools: list[dict] | None = None,
+                 image_tokens: Callable[[tuple], list[int]] | None = None):
         self.stats = {"files": len(files), "rows": 0, "kept": 0, "bad_rows": 0, "too_long": 0, "truncated": 0}
         self._prompt_key, self._max_len, self._truncation = prompt_key, max_prompt_length, truncation
         self._skip_bad_rows = skip_bad_rows
         self._template_kwargs = {"tools": tools} if tools else {}  # multi-turn: the template lists the tools
+        # images -> the tokens each fills once the engine expands its pad (the model's image processor);
+        # None: one token per image (no processor known, e.g. tests of the parsing alone).
+        self._image_tokens = image_tokens
         if not files:
             raise DataError(f"{config_key} is empty: give at least one .parquet or .jsonl file")
         self.items: list[PromptItem] = []
@@ -67,13 +72,14 @@ class PromptDataset:
 
     @classmethod
     def from_config(cls, cfg: DataConfig, tokenizer, split: str = "train",
-                    tools: list[dict] | None = None) -> "PromptDataset":
+                    tools: list[dict] | None = None,
+                    image_tokens: Callable[[tuple], list[int]] | None = None) -> "PromptDataset":
         """The train or val dataset of `cfg` (split: "train" | "val"); tools: JSON schemas the
-        chat template shows the model (multi-turn rollouts)."""
+        chat template shows the model (multi-turn rollouts); image_tokens: see __init__."""
         files = {"train": cfg.train_files, "val": cfg.val_files}[split]
         return cls(list(files), tokenizer, prompt_key=cfg.prompt_key, max_prompt_length=cfg.max_prompt_length,
                    truncation=cfg.truncation, skip_bad_rows=cfg.skip_bad_rows, config_key=f"data.{split}_files",
-                   tools=tools)
+                   tools=tools, image_tokens=image_tokens)
 
     def __len__(self) -> int:
         return len(self.items)
@@ -104,7 +110,7 @@ class PromptDataset:
         # allows. The template already wrote any BOS, so no special tokens are added again.
         all_ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
         for (where, (messages, ground_truth, data_source, extra_info), images), ids in zip(parsed, all_ids):
-            ids = self._fit_length(list(ids), where, bool(images))
+            ids = self._fit_length(list(ids), where, self._expanded_extra(images, where))
             if ids is not None:
                 self.items.append(PromptItem(len(self.items), Prompt(tuple(ids), images), messages, ground_truth,
                                              data_source, extra_info, where))
@@ -133,17 +139,31 @@ class PromptDataset:
         self.stats["bad_rows"] += 1
         log.warning("skipping %s: %s", where, error)
 
-    def _fit_length(self, ids: list[int], where: str, has_images: bool = False) -> list[int] | None:
+    def _expanded_extra(self, images: tuple, where: str) -> int | None:
+        """Tokens the engine adds when it expands the images' pads (None: no images)."""
+        if not images:
+            return None
+        if self._image_tokens is None:
+            return 0
+        try:
+            return sum(n - 1 for n in self._image_tokens(images))
+        except Exception as e:  # noqa: BLE001 - the processor refusing an image is that row's fault
+            raise DataError(f"{where}: the image processor cannot size its images: {type(e).__name__}: {e}") from e
+
+    def _fit_length(self, ids: list[int], where: str, image_extra: int | None = None) -> list[int] | None:
         """Apply data.truncation to a prompt over max_prompt_length; None means drop it. A prompt with
-        images is dropped rather than cut: a cut image pad would leave an image without its place."""
-        if len(ids) <= self._max_len:
+        images counts them expanded (`image_extra` tokens more) and is dropped rather than cut: a
+        cut image pad would leave an image without its place."""
+        length = len(ids) + (image_extra or 0)
+        if length <= self._max_len:
             return ids
-        if self._truncation == "filter" or (has_images and self._truncation != "error"):
+        if self._truncation == "filter" or (image_extra is not None and self._truncation != "error"):
             self.stats["too_long"] += 1
             return None
         if self._truncation == "error":
-            raise DataError(f"{where}: prompt is {len(ids)} tokens, over data.max_prompt_length={self._max_len} "
-                            f"(raise it, or set data.truncation to filter, left or right)")
+            expanded = " with its images expanded" if image_extra else ""
+            raise DataError(f"{where}: prompt is {length} tokens{expanded}, over data.max_prompt_length="
+                            f"{self._max_len} (raise it, or set data.truncation to filter, left or right)")
         self.stats["truncated"] += 1
         # verl's meaning: "left" cuts the left end (keeps the last tokens), "right" the right end.
         return ids[-self._max_len:] if self._truncation == "left" else ids[:self._max_len]

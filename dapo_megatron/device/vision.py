@@ -116,3 +116,10 @@ def image_grid_thw(image_processor, images) -> list[list[int]]:
                                      min_pixels=size["shortest_edge"], max_pixels=size["longest_edge"])
         grids.append([1, height // patch, width // patch])
     return grids
+
+
+def image_token_counts(image_processor, images) -> list[int]:
+    """How many image tokens each image fills once vLLM expands its `<|image_pad|>`: t * h * w /
+    merge_size^2 of its grid. The data set counts prompt lengths with it, the engine expands with it."""
+    merge = image_processor.merge_size
+    return [t * h * w // merge ** 2 for t, h, w in image_grid_thw(image_processor, images)]

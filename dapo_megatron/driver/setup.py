@@ -1,6 +1,8 @@
 """What the loop needs around a step: start-up, weight sync, validation, save / resume, faults."""
 from __future__ import annotations
 
+from functools import partial
+
 import dataclasses
 import os
 import time
@@ -92,9 +94,11 @@ def prepare(cfg: DapoConfig) -> Context:
         raise ConfigError(tokenizer_key, f"{tokenizer_key} {tokenizer_dir}: the tokenizer has no chat template "
                                          f"(chat_template.jinja or tokenizer_config.json's chat_template)")
     tools = _tool_schemas(cfg, tokenizer, tokenizer_key)
+    image_tokens = _image_token_counter(spec, tokenizer_dir, tokenizer_key)
     data = _resolved(cfg.data)
-    train_data = PromptDataset.from_config(data, tokenizer, "train", tools=tools)
-    val_data = PromptDataset.from_config(data, tokenizer, "val", tools=tools) if data.val_files else None
+    train_data = PromptDataset.from_config(data, tokenizer, "train", tools=tools, image_tokens=image_tokens)
+    val_data = (PromptDataset.from_config(data, tokenizer, "val", tools=tools, image_tokens=image_tokens)
+                if data.val_files else None)
     total = cfg.trainer.total_training_steps or cfg.trainer.total_epochs * max(
         1, len(train_data) // cfg.data.train_batch_size)
     check_reward_config(cfg.reward)  # imports reward.custom_fn: a bad one fails here, not in an actor
@@ -118,6 +122,20 @@ def _absolute_custom_fn(cfg: DapoConfig) -> DapoConfig:
         return cfg
     reward = dataclasses.replace(cfg.reward, custom_fn=f"{os.path.abspath(os.path.expanduser(path))}:{name}")
     return dataclasses.replace(cfg, reward=reward)
+
+
+def _image_token_counter(spec, tokenizer_dir: str, key: str):
+    """A vision-language model's prompts are counted with their images expanded (the engine's
+    image processor sizes them: device/vision.py); None for a text model."""
+    if spec.vision_config is None:
+        return None
+    from dapo_megatron.device.vision import image_token_counts, load_processor
+    try:
+        processor = load_processor(tokenizer_dir).image_processor
+    except (OSError, ValueError) as exc:
+        raise ConfigError(key, f"{key} {tokenizer_dir}: cannot load the image processor of the vision-language "
+                               f"model (preprocessor_config.json): {str(exc).splitlines()[0]}") from None
+    return partial(image_token_counts, processor)
 
 
 def _tool_schemas(cfg: DapoConfig, tokenizer, tokenizer_key: str) -> list[dict] | None:

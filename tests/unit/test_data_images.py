@@ -183,3 +183,23 @@ def test_long_image_rows_are_dropped_not_cut(vl_tokenizer, tmp_path):
         assert ds[0].source.endswith("row 1") and len(ds[0].prompt.images) == 1
     with pytest.raises(DataError, match=r"long\.parquet row 0: prompt is \d+ tokens"):
         load([path], vl_tokenizer, max_prompt_length=40, truncation="error")
+
+
+def test_image_rows_are_counted_with_their_images_expanded(vl_tokenizer, tmp_path):
+    """With the model's counter (here: 30 tokens per image) a prompt that fits with one pad per
+    image is over data.max_prompt_length once its image is expanded: dropped, or named by `error`."""
+    path = write_parquet(tmp_path / "geo3k" / "expand.parquet",
+                         [geo_row("<image>Find x.", [{"bytes": encoded(RED), "path": None}])])
+    short = len(load([path], vl_tokenizer)[0].prompt)
+    limit = short + 10  # room for 10 more tokens: not for an image of 30
+    assert len(load([path], vl_tokenizer, max_prompt_length=limit)) == 1  # one token per image
+    counted = PromptDataset([str(path)], vl_tokenizer, prompt_key="prompt", max_prompt_length=limit,
+                            truncation="left", skip_bad_rows=False, image_tokens=lambda images: [30] * len(images))
+    assert len(counted) == 0 and counted.stats["too_long"] == 1
+    roomy = PromptDataset([str(path)], vl_tokenizer, prompt_key="prompt", max_prompt_length=short + 29,
+                          truncation="error", skip_bad_rows=False, image_tokens=lambda images: [30] * len(images))
+    assert len(roomy) == 1 and roomy[0].prompt.ids == load([path], vl_tokenizer)[0].prompt.ids  # ids unexpanded
+    with pytest.raises(DataError, match=rf"expand\.parquet row 0: prompt is {short + 29} tokens with its images "
+                                        rf"expanded, over data.max_prompt_length={short + 28}"):
+        PromptDataset([str(path)], vl_tokenizer, prompt_key="prompt", max_prompt_length=short + 28,
+                      truncation="error", skip_bad_rows=False, image_tokens=lambda images: [30] * len(images))

@@ -82,4 +82,5 @@ def test_image_grid_thw_matches_the_processor(tmp_path):
                                                                                   (600, 900))]
     want = processor(images=images, return_tensors="np")["image_grid_thw"].tolist()
     assert vision.image_grid_thw(processor, images) == want
+    assert vision.image_token_counts(processor, images) == [t * h * w // 4 for t, h, w in want]  # merge 2
     assert want[-1][1] * want[-1][2] * 64 <= MAX_PIXELS  # the large one was scaled down
