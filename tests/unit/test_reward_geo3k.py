@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -12,6 +11,7 @@ import urllib.request
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reward_http import serving
 
 from dapo_megatron.config.schema import RewardConfig
 from dapo_megatron.reward.client import RewardClient
@@ -20,7 +20,6 @@ from dapo_megatron.reward.geo3k import format_ok
 from dapo_megatron.reward.manager import RewardManager
 from dapo_megatron.reward.math_score import NO_ANSWER, TIMEOUT
 from dapo_megatron.reward.pool import RewardPool
-from dapo_megatron.reward.serve import make_server
 
 TIMEOUT_S = 1.0
 SLOW = "\\tan(\\tan(\\tan(\\tan(\\tan(1)))))"  # passes the caps; sympy needs ~18 s against "3"
@@ -126,14 +125,8 @@ def test_manager_passes_data_sources_to_the_pool():
 
 @pytest.fixture(scope="module")
 def url(pool):
-    server = make_server(pool, "127.0.0.1", 0)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    host, port = server.server_address[:2]
-    yield f"http://{host}:{port}"
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    with serving(pool) as address:
+        yield address
 
 
 def test_service_scores_each_row_by_its_source(url):

@@ -13,28 +13,20 @@ import urllib.error
 import urllib.request
 
 import pytest
+from reward_http import serving
 
 from dapo_megatron.config.schema import RewardConfig
 from dapo_megatron.reward.client import RewardClient
 from dapo_megatron.reward.manager import RewardManager
 from dapo_megatron.reward.pool import RewardPool
-from dapo_megatron.reward.serve import make_server
 
 SLOW = "Answer: \\tan(\\tan(\\tan(\\tan(\\tan(1)))))"  # ~18 s in sympy: hits the 1 s deadline
 
 
 @pytest.fixture(scope="module")
 def url():
-    with RewardPool(num_workers=1, timeout_s=1.0) as pool:
-        server = make_server(pool, "127.0.0.1", 0)
-        thread = threading.Thread(target=server.serve_forever, daemon=True)
-        thread.start()
-        host, port = server.server_address[:2]
-        yield f"http://{host}:{port}"
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
-        assert not thread.is_alive()
+    with RewardPool(num_workers=1, timeout_s=1.0) as pool, serving(pool) as address:
+        yield address
 
 
 def test_round_trip_matches_local_scoring(url):
