@@ -6,6 +6,8 @@ A field has a scope, which says what it is indexed by, and a storage dtype and p
     sequence  a ragged 1-D token sequence per sample: B tensors [L_i] (`prompts`, `responses`)
     token     one value per response token: [B, T] right-padded with `pad`, T = longest response
     position  one value (or row) per sequence position, prompt + response: B tensors [P_i + R_i, ...]
+    image     rows of the prompt's images: B tensors [N_i, ...] (patch rows, grid rows); a
+              micro-batch concatenates its samples' rows, in row order (what the vision tower takes)
 
 Selecting samples, joining batches, building a batch from per-sample values, splitting it over
 DP ranks and packing micro-batches (`train/microbatch.py`) all iterate `FIELDS`, so a new field
@@ -19,8 +21,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
-SAMPLE, SEQUENCE, TOKEN, POSITION = "sample", "sequence", "token", "position"
-SCOPES = (SAMPLE, SEQUENCE, TOKEN, POSITION)
+SAMPLE, SEQUENCE, TOKEN, POSITION, IMAGE = "sample", "sequence", "token", "position", "image"
+SCOPES = (SAMPLE, SEQUENCE, TOKEN, POSITION, IMAGE)
 
 
 @dataclass(frozen=True)
@@ -47,6 +49,10 @@ FIELDS: dict[str, Field] = {f.name: f for f in [
     Field("finish_reasons", SAMPLE, None, doc="stop | length | abort"),
     Field("routed_experts", POSITION, torch.int16, pad=-1,
           doc="[layers, top_k] expert ids per position (engine or old-log-prob pass); -1: unknown"),
+    # Vision-language prompts: what the engine's image processor made of the prompt's images. The
+    # n responses of a prompt share one stored copy (dataplane: one image row per group).
+    Field("pixel_values", IMAGE, torch.float32, doc="[N_patches, C*T*P*P] patch rows of the prompt's images"),
+    Field("image_grid_thw", IMAGE, torch.long, doc="[N_images, 3] (t, h, w) patch grid of each image, in order"),
 ]}
 
 
@@ -79,7 +85,7 @@ def unpad_positions(padded: torch.Tensor, lengths: Sequence[int]) -> list[torch.
 
 def _is_list(f: Field) -> bool:
     """Stored as a list of per-sample values rather than one tensor."""
-    return f.scope in (SEQUENCE, POSITION) or f.dtype is None
+    return f.scope in (SEQUENCE, POSITION, IMAGE) or f.dtype is None
 
 
 class RolloutBatch:
@@ -133,7 +139,7 @@ class RolloutBatch:
     def from_samples(cls, samples: Sequence[dict]) -> "RolloutBatch":
         """A batch from one dict per sample (field name -> that sample's value: a scalar for a
         sample field, a 1-D tensor or list for sequence / token fields, a tensor [P + R, ...] for
-        position fields). A field no sample has is None; one that only some have is an error."""
+        position fields, [N, ...] for image fields). A field no sample has is None; one that only some have is an error."""
         columns = {}
         for name, f in FIELDS.items():
             have = [name in s for s in samples]

@@ -1,7 +1,8 @@
 """The data plane: a step's rows, by key and field, between the processes that make and read them.
 
 Engines put each finished response's tokens (`prompts`, `responses`, `rollout_logprobs`, and
-`loss_mask` / `routed_experts` when they have them); the reward worker reads `responses` and puts
+`loss_mask` / `routed_experts` when they have them; a prompt's images once per group, as an
+image row the group's responses point to); the reward worker reads `responses` and puts
 `scores` / `acc`; each training rank reads the rows of its DP share and the columns it needs, and
 puts `old_logprobs` / `ref_logprobs` (and recorded routes) back by column. The driver sees keys
 and small per-response metadata only (`StepBatch`), and clears a step's partition when the update
@@ -21,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from dapo_megatron.batch import FIELDS, SAMPLE, RolloutBatch
+from dapo_megatron.batch import FIELDS, IMAGE, SAMPLE, RolloutBatch
 
 BACKENDS = ("transfer_queue",)
 _BYTES_TAG = "bytes/"  # tags "bytes/<writer>": what each writer stored for a key (resident size)
@@ -188,6 +189,9 @@ class StepBatch:
     acc: list[bool]
     fields: tuple[str, ...]  # the columns stored for every row (engine's, then ranks' write-backs)
     advantages: list[float] = field(default_factory=list)
+    # Per response, the key of its prompt's image row (pixel_values, image_grid_thw); "" for a
+    # text prompt. Empty for a text-only step.
+    image_keys: list[str] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.keys)
@@ -197,9 +201,26 @@ def read_batch(plane: DataPlane, step: StepBatch, rows: Sequence[int], fields: S
     """The RolloutBatch of `rows` of the step (in that order): `fields` from the data plane (those
     stored), the per-response metadata (group, scores, acc, advantages) from `step`."""
     stored = [f for f in fields if f in step.fields]
-    samples = plane.get(step.partition, [step.keys[i] for i in rows], stored)
+    images = [f for f in stored if FIELDS[f].scope == IMAGE]
+    samples = plane.get(step.partition, [step.keys[i] for i in rows], [f for f in stored if f not in images])
+    if images and step.image_keys:
+        _read_images(plane, step, rows, images, samples)
     for i, sample in zip(rows, samples):
         sample.update(group=step.group[i], scores=step.scores[i], acc=step.acc[i])
         if step.advantages:
             sample["advantages"] = step.advantages[i]
     return RolloutBatch.from_samples(samples)
+
+
+def _read_images(plane: DataPlane, step: StepBatch, rows: Sequence[int], fields: Sequence[str],
+                 samples: list[dict]) -> None:
+    """Add the image fields to `samples`: each image row is read once however many of the rows
+    share it (a group's n responses), and a text prompt's rows get empty ones ([0, ...])."""
+    keys = [step.image_keys[i] for i in rows]
+    unique = sorted({k for k in keys if k})
+    if not unique:
+        return
+    images = dict(zip(unique, plane.get(step.partition, unique, fields)))
+    empty = {name: images[unique[0]][name][:0] for name in fields}
+    for sample, key in zip(samples, keys):
+        sample.update(images[key] if key else empty)

@@ -20,6 +20,8 @@ import importlib.util
 import sys
 import types
 
+import torch
+
 from transformers.processing_utils import VideosKwargs
 from transformers.utils import PushToHubMixin
 
@@ -123,3 +125,11 @@ def image_token_counts(image_processor, images) -> list[int]:
     merge_size^2 of its grid. The data set counts prompt lengths with it, the engine expands with it."""
     merge = image_processor.merge_size
     return [t * h * w // merge ** 2 for t, h, w in image_grid_thw(image_processor, images)]
+
+
+def pixel_inputs(image_processor, images) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pixel_values [N_patches, C*T*P*P] float32, image_grid_thw [N_images, 3] long) of these
+    images, what the vision tower takes: the engine makes them with the processor vLLM uses, so
+    the trainer sees the pixels the rollout saw."""
+    out = image_processor(images=list(images), return_tensors="pt")
+    return out["pixel_values"].float(), out["image_grid_thw"].long()

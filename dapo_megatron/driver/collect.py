@@ -57,7 +57,7 @@ def _tokens(groups: Sequence[Group | StoredGroup]) -> int:
 
 
 def _keys(groups: Sequence[Group]) -> list[str]:
-    return [k for g in groups for k in g.payload.rollout.keys]
+    return [k for g in groups for k in g.payload.rollout.data_keys]
 
 
 def received(obj) -> int:
@@ -203,7 +203,7 @@ class _EarlyStop:
                 returned.append(item)
                 tokens += _tokens([group])
                 # one that finished before its abort arrived was stored: nobody trains on it
-                self.tokens.store.clear(group.keys)
+                self.tokens.store.clear(group.data_keys)
         return returned, tokens
 
 
@@ -237,8 +237,9 @@ def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSam
 def groups_to_batch(groups: Sequence[Group[ScoredGroup]], partition: str) -> StepBatch:
     """Kept groups -> the step's StepBatch (keys and metadata); `group` is the group's position."""
     rows = [(gid, g.payload, j) for gid, g in enumerate(groups) for j in range(len(g.payload.rollout.keys))]
-    fields = groups[0].payload.rollout.fields + ("scores", "acc")
-    return StepBatch(partition, keys=[p.rollout.keys[j] for _, p, j in rows], group=[gid for gid, _, _ in rows],
+    fields = tuple(dict.fromkeys(f for g in groups for f in g.payload.rollout.fields)) + ("scores", "acc")
+    image_keys = [p.rollout.image_key for _, p, _ in rows]
+    return StepBatch(partition, image_keys=image_keys if any(image_keys) else [], keys=[p.rollout.keys[j] for _, p, j in rows], group=[gid for gid, _, _ in rows],
                      sequence_lengths=[p.rollout.prompt_length + p.rollout.response_lengths[j] for _, p, j in rows],
                      response_lengths=[p.rollout.response_lengths[j] for _, p, j in rows],
                      loss_tokens=[p.rollout.loss_tokens[j] for _, p, j in rows],

@@ -26,7 +26,8 @@ from dapo_megatron.weights.transport import TRANSPORTS
 
 
 # Columns a rank reads for each pass (those the step has; advantages etc. come from StepBatch).
-LOGPROB_FIELDS = ("prompts", "responses", "loss_mask", "rollout_logprobs", "routed_experts")
+LOGPROB_FIELDS = ("prompts", "responses", "loss_mask", "rollout_logprobs", "routed_experts", "pixel_values",
+                  "image_grid_thw")
 UPDATE_FIELDS = LOGPROB_FIELDS + ("old_logprobs", "ref_logprobs")
 
 

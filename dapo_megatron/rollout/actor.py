@@ -6,8 +6,9 @@ several threads (`max_concurrency`) so that a `poll` waiting for results does no
 `abort` or a weight push; `Engine` serialises them onto its loop thread.
 
 Given a data plane, the actor puts each finished group's rows there (keys
-`<engine>/<request id>/<i>`, in the caller's partition) and returns a `StoredGroup`: the driver
-gets keys and lengths, never tokens.
+`<engine>/<request id>/<i>`, in the caller's partition; a prompt with images also gets one row
+`<engine>/<request id>/images` of its pixels, shared by its n responses) and returns a
+`StoredGroup`: the driver gets keys and lengths, never tokens or pixels.
 """
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class GroupStore:
     def put(self, groups: list[RolloutGroup]) -> list:
         """Store the groups' rows with one data-plane put per partition (not one per group: a put
         is a round trip to the storage units, and a poll returns many groups)."""
-        out, batches = [], {}  # partition -> (keys, rows)
+        out, batches = [], {}  # (partition, row kind) -> (keys, rows)
         for g in groups:
             partition = self.partitions.pop(g.request_id, None)
             if partition is None:
@@ -76,15 +77,24 @@ class GroupStore:
             if g.aborted:  # nobody trains on it: only its lengths go back, nothing is stored
                 out.append(g.stored(partition, []))
                 continue
-            keys = [f"{self.name}/{g.request_id}/{j}" for j in range(len(g.responses))]
-            rows = g.rows()
-            batch = batches.setdefault(partition, ([], []))
-            batch[0].extend(keys)
-            batch[1].extend(rows)
-            out.append(g.stored(partition, keys, tuple(rows[0])))
-        for partition, (keys, rows) in batches.items():
+            prefix = f"{self.name}/{g.request_id}"
+            keys, rows, image_row = [f"{prefix}/{j}" for j in range(len(g.responses))], g.rows(), g.image_row()
+            self._add(batches, (partition, "responses"), keys, rows)
+            fields = tuple(rows[0])
+            if image_row is not None:  # the prompt's pixels, once for its n responses
+                self._add(batches, (partition, "images"), [f"{prefix}/images"], [image_row])
+                fields += tuple(image_row)
+            out.append(g.stored(partition, keys, fields, f"{prefix}/images" if image_row is not None else ""))
+        for (partition, _), (keys, rows) in batches.items():
             self.plane.put(partition, keys, rows, writer="rollout")
         return out
+
+    @staticmethod
+    def _add(batches: dict, where: tuple[str, str], keys: list[str], rows: list[dict]) -> None:
+        """Queue rows for one put per (partition, row kind): image rows have columns of their own."""
+        batch = batches.setdefault(where, ([], []))
+        batch[0].extend(keys)
+        batch[1].extend(rows)
 
 
 def engine_actor(model_path: str, cfg, *, dtype: str = "bf16", max_model_len: int = 4096,

@@ -285,8 +285,9 @@ class Engine:
                              [None] * n if self.return_routes else [])
         if prompt.images:  # the prompt as vLLM expands it (its outputs then confirm it, `_route`),
             # so that a group aborted before its prefill still carries ids that match its images
-            from dapo_megatron.device.vision import image_grid_thw
-            group.image_grid_thw = image_grid_thw(self._image_processor, prompt.images)
+            from dapo_megatron.device.vision import pixel_inputs
+            group.pixel_values, grids = pixel_inputs(self._image_processor, prompt.images)
+            group.image_grid_thw = grids.tolist()
             group.prompt = self._expand_image_pads(ids, group.image_grid_thw)
         live = _Live(group, sink, [f"{request_id}#{i}" for i in range(n)], sampling, tuple(prompt.images))
         if self._tools is not None:

@@ -59,6 +59,8 @@ class RolloutGroup:
     # Vision-language prompts only, else empty: [N_images][t, h, w] patch grids of the prompt's
     # images, in order; image i fills t * h * w / merge^2 of the `prompt`'s image tokens.
     image_grid_thw: list = field(default_factory=list)
+    # ... and their patch rows [N_patches, C*T*P*P] from the engine's image processor (None: no images).
+    pixel_values: Optional[torch.Tensor] = None
 
     TOOL_STATS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_s")
 
@@ -92,12 +94,21 @@ class RolloutGroup:
             out.append(row)
         return out
 
-    def stored(self, partition: str, keys: list[str], fields: tuple[str, ...] = ()) -> "StoredGroup":
-        """What the driver sees of this group once its rows (columns `fields`) are in the data plane."""
+    def image_row(self) -> Optional[dict]:
+        """The data-plane row of the prompt's images (`pixel_values`, `image_grid_thw`), stored once
+        for the n responses; None for a text prompt."""
+        if self.pixel_values is None:
+            return None
+        return dict(pixel_values=self.pixel_values, image_grid_thw=torch.as_tensor(self.image_grid_thw))
+
+    def stored(self, partition: str, keys: list[str], fields: tuple[str, ...] = (),
+               image_key: str = "") -> "StoredGroup":
+        """What the driver sees of this group once its rows (columns `fields`) are in the data plane
+        (and its images under `image_key`)."""
         masks = self.loss_masks or [[1] * len(r) for r in self.responses]
         return StoredGroup(self.request_id, self.index, partition, keys, len(self.prompt),
                            [len(r) for r in self.responses], [int(sum(m)) for m in masks],
-                           list(self.finish_reasons), list(self.turns), dict(self.tool_stats), fields)
+                           list(self.finish_reasons), list(self.turns), dict(self.tool_stats), fields, image_key)
 
 
 @dataclass
@@ -115,6 +126,12 @@ class StoredGroup:
     turns: list[int] = field(default_factory=list)
     tool_stats: dict = field(default_factory=dict)
     fields: tuple[str, ...] = ()  # the columns stored per response
+    image_key: str = ""  # the key of the prompt's image row (one for all n responses); "": none
+
+    @property
+    def data_keys(self) -> list[str]:
+        """Every key the group holds in the data plane: its responses' and its image row's."""
+        return self.keys + [self.image_key] if self.image_key else list(self.keys)
 
     @property
     def aborted(self) -> bool:

@@ -10,6 +10,7 @@ looks at the padding to its right). Micro-batch tensors are laid out for the tra
     token         [b, T]  response-aligned, T = the batch's response width (same in every
                           micro-batch, so seq-mean-token-sum-norm divides by one constant)
     position      [b, S, ...] aligned with `tokens`
+    image         [N, ...] the real rows' image rows concatenated in row order (absent without images)
 How a micro-batch becomes model inputs is the model's business (`models.Arch.inputs_fn`).
 
 Every function here is a pure function of the batch, so every rank of a pipeline / TP group
@@ -22,7 +23,7 @@ from typing import Optional
 
 import torch
 
-from dapo_megatron.batch import FIELDS, POSITION, SAMPLE, TOKEN, RolloutBatch
+from dapo_megatron.batch import FIELDS, IMAGE, POSITION, SAMPLE, TOKEN, RolloutBatch
 
 
 def split_for_dp(lengths: list[int], dp: int) -> list[list[int]]:
@@ -73,7 +74,7 @@ class MicroBatch:
     tokens: torch.Tensor  # [b, S] long
     labels: torch.Tensor  # [b, S] long
     prompt_lens: torch.Tensor  # [b] long
-    fields: dict = field(default_factory=dict)  # batch field name -> [b], [b, T] or [b, S, ...]
+    fields: dict = field(default_factory=dict)  # batch field name -> [b], [b, T], [b, S, ...] or [N, ...]
     response_lens: Optional[torch.Tensor] = None  # [b] long
 
     def __getattr__(self, name: str):
@@ -104,10 +105,15 @@ def build_microbatch(batch: RolloutBatch, index: list[int], rows: int, seq_len: 
         prompt_lens[row], response_lens[row] = len(p), len(r)
     labels = torch.roll(tokens, -1, dims=1)  # [b, S]; the wrapped last column is never used
     fields = {}
-    for f in batch.present((SAMPLE, TOKEN, POSITION)):
+    for f in batch.present((SAMPLE, TOKEN, POSITION, IMAGE)):
         if f.dtype is None:
             continue  # Python values (finish reasons): nothing for the model
         src = batch.columns[f.name]
+        if f.scope == IMAGE:  # each row's images, row after row: the order of their image tokens
+            parts = [src[i] for i in index if len(src[i])]
+            if parts:
+                fields[f.name] = torch.cat(parts)
+            continue
         if f.scope == SAMPLE:
             out = torch.full((rows,), f.pad, dtype=f.dtype)  # [b]
             out[: len(index)] = src[index]

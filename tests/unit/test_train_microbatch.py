@@ -53,3 +53,19 @@ def test_harmonize_pads_count_and_shapes_without_a_group():
     assert all(s % 4 == 0 for _, s in out.shapes)
     micros = mb.materialize(batch, out)
     assert sorted(i for m in micros for i in m.index if i >= 0) == [0, 1, 2]
+
+
+def test_image_fields_follow_their_rows_into_micro_batches():
+    """A micro-batch's pixel rows are its samples' images, row after row; a text row adds none,
+    padding rows none, and selecting / joining batches keeps each sample's own images."""
+    grids = [torch.tensor([[1, 2, 4]]), torch.zeros(0, 3, dtype=torch.long), torch.tensor([[1, 2, 2], [1, 4, 2]])]
+    pixels = [torch.full((int(g.prod(-1).sum()), 5), float(i)) for i, g in enumerate(grids)]
+    batch = RolloutBatch.from_samples([
+        dict(prompts=[1] * (3 + i), responses=[2] * (2 + i), pixel_values=p, image_grid_thw=g)
+        for i, (p, g) in enumerate(zip(pixels, grids))])
+    batch = RolloutBatch.concat([batch.select([2, 1]), batch.select([0])])  # samples 2, 1, 0
+    micro = mb.build_microbatch(batch, [2, 1, 0], rows=4, seq_len=10, width=batch.loss_mask.shape[1])
+    assert micro.image_grid_thw.tolist() == [[1, 2, 4], [1, 2, 2], [1, 4, 2]]
+    assert micro.pixel_values[:, 0].tolist() == [0.0] * 8 + [2.0] * 12
+    text_only = mb.build_microbatch(batch, [1], rows=2, seq_len=10, width=batch.loss_mask.shape[1])
+    assert text_only.pixel_values is None and text_only.image_grid_thw is None
