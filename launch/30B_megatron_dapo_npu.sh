@@ -4,15 +4,19 @@
 #   ray start --head --resources='{"NPU": 8}'            (node 1)
 #   ray start --address=HEAD_IP:6379 --resources='{"NPU": 8}'   (node 2)
 # Overrides after the script name go to the trainer, e.g. `bash ... trainer.total_training_steps=10`.
+# CONFIG, MODEL, TRAIN, VAL submit another run (launch/30B_vl_megatron_dapo_npu.sh sets them).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 RAY_DASHBOARD="${RAY_DASHBOARD:-http://127.0.0.1:8265}"
+CONFIG="${CONFIG:-qwen3_30b_a3b_megatron_npu}"
 MODEL="${MODEL:-$PWD/models/Qwen3-30B-A3B-Base}"
 TRAIN="${TRAIN:-$PWD/data/dapo-math-17k.parquet}"
 VAL="${VAL:-$PWD/data/aime-2024.parquet}"
 ASCEND="${ASCEND_HOME:-/usr/local/Ascend}"
-JEMALLOC="${JEMALLOC:-$(ls /usr/lib/*/libjemalloc.so.2 2>/dev/null | head -n1)}"
+# The reference runs' jemalloc is /usr/local/lib/libjemalloc.so.2; distributions put it in /usr/lib/<arch>.
+# (`|| true`: with none found, pipefail would end the script here, silently.)
+JEMALLOC="${JEMALLOC:-$(ls /usr/local/lib/libjemalloc.so.2 /usr/lib/*/libjemalloc.so.2 2>/dev/null | head -n1 || true)}"
 
 # The environment of the reference Ascend DAPO runs (see README, Ascend): jemalloc against host
 # memory fragmentation, vLLM V1, long HCCL connect timeout for 16-rank start-up, NZ weight format
@@ -29,5 +33,5 @@ JSON
 
 ray job submit --address "$RAY_DASHBOARD" --runtime-env-json "$ENV_JSON" -- \
   bash -c "source ${ASCEND}/ascend-toolkit/set_env.sh && source ${ASCEND}/nnal/atb/set_env.sh && \
-  python -m dapo_megatron.main --config-name qwen3_30b_a3b_megatron_npu \
+  python -m dapo_megatron.main --config-name ${CONFIG} \
     model.path=${MODEL} 'data.train_files=[${TRAIN}]' 'data.val_files=[${VAL}]' $*"

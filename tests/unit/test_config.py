@@ -13,6 +13,15 @@ from dapo_megatron.models import ModelSpec
 
 QWEN3_30B = dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, num_attention_heads=32,
                  num_key_value_heads=4, num_hidden_layers=48, num_experts=128, max_position_embeddings=40960)
+# Qwen3-VL-30B-A3B's config.json, the keys our spec reads (text part nested, as HF writes it).
+QWEN3_VL_30B = dict(
+    model_type="qwen3_vl_moe", image_token_id=151655, tie_word_embeddings=False,
+    text_config=dict(vocab_size=151936, hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_hidden_layers=48, num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                     max_position_embeddings=262144, tie_word_embeddings=False,
+                     rope_scaling=dict(rope_type="default", mrope_section=[24, 20, 20], mrope_interleaved=True)),
+    vision_config=dict(depth=27, hidden_size=1152, out_hidden_size=2048, spatial_merge_size=2, patch_size=16,
+                       deepstack_visual_indexes=[8, 16, 24]))
 TINY_MOE = dict(model_type="qwen3_moe", vocab_size=512, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                 num_hidden_layers=4, num_experts=4, max_position_embeddings=1024)
 
@@ -22,12 +31,35 @@ def check_model(cfg, hf: dict) -> None:
     check(cfg, ModelSpec.from_hf(hf))
 
 
-@pytest.mark.parametrize("name", ["dapo", "quickstart", "qwen3_30b_a3b_megatron_gpu", "qwen3_30b_a3b_megatron_npu"])
+SHIPPED_MODELS = {"dapo": QWEN3_30B, "quickstart": TINY_MOE, "qwen3_30b_a3b_megatron_gpu": QWEN3_30B,
+                  "qwen3_30b_a3b_megatron_npu": QWEN3_30B, "qwen3_vl_30b_a3b_megatron_gpu": QWEN3_VL_30B,
+                  "qwen3_vl_30b_a3b_megatron_npu": QWEN3_VL_30B}
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED_MODELS))
 def test_shipped_configs_load_and_validate(name):
     cfg = load_config(name)
-    model = TINY_MOE if name == "quickstart" else QWEN3_30B
-    check_model(cfg, model)
+    check_model(cfg, SHIPPED_MODELS[name])
     assert cfg.actor.clip_ratio_high == 0.28 and cfg.actor.loss_agg_mode == "token-mean"
+
+
+@pytest.mark.parametrize("name", ["qwen3_vl_30b_a3b_megatron_gpu", "qwen3_vl_30b_a3b_megatron_npu"])
+def test_vl_30b_configs_fit_qwen3_vl(name):
+    """What the VL model builder refuses at start (models/qwen3_vl.build_vl_chunks) and the config
+    rules do not see: deepstack's layers all on the first pipeline stage, no full recompute."""
+    cfg, spec = load_config(name), ModelSpec.from_hf(QWEN3_VL_30B)
+    assert spec.deepstack_layers == 3 and spec.mrope_section == (24, 20, 20) and spec.num_experts == 128
+    for p in (cfg.actor.parallel, cfg.ref.parallel):
+        assert spec.num_layers // (p.pp * p.vpp) >= spec.deepstack_layers
+    assert cfg.actor.recompute_granularity != "full"
+    assert cfg.rollout.max_images_per_prompt == 1 and cfg.data.train_files == ["data/geo3k/train.parquet"]
+    # The prompt budget counts expanded image tokens; geo3k figures take a few hundred.
+    assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (1024, 2048)
+    assert cfg.actor.max_tokens_per_microbatch >= cfg.data.max_prompt_length + cfg.data.max_response_length
+    # The text 30B layout of the same device, as far as it applies.
+    text = load_config(name.replace("_vl", ""))
+    assert cfg.actor.parallel == text.actor.parallel and cfg.rollout.parallel == text.rollout.parallel
+    assert cfg.trainer.device == text.trainer.device and cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node == 16
 
 
 def test_quickstart_values_and_interpolation():
