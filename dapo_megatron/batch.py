@@ -59,7 +59,8 @@ FIELDS: dict[str, Field] = {f.name: f for f in [
 @dataclass(frozen=True)
 class Prompt:
     """What a prompt is on its way from the dataset to an engine: token ids (chat template applied)
-    and, for vision-language models, its images."""
+    and, for vision-language models, its images: `data.images.ImageRef`s (the engine opens them)
+    or PIL images."""
     ids: tuple[int, ...]
     images: tuple = ()
 

@@ -63,3 +63,15 @@ def vl_tokenizer(tiny_assets, tmp_path_factory):
     out = tmp_path_factory.mktemp("vl-tokenizer")
     tokenizer.save_pretrained(out)
     return AutoTokenizer.from_pretrained(out)
+
+
+@pytest.fixture(scope="session")
+def vl_assets(tmp_path_factory) -> Path:
+    """The tiny VL bundle, random init (qwen3_vl_moe/: model, tokenizer, image processor) and
+    geo3k-format data (geo3k/{train,test}.parquet: 224 px figures, ~300-token prompts)."""
+    from dapo_megatron.assets.vl import build_vl_assets
+    from dapo_megatron.data.geo3k_synth import write_geo3k
+    root = tmp_path_factory.mktemp("vl-assets")
+    build_vl_assets(root / "qwen3_vl_moe", seed=TEST_ASSETS_SEED)
+    write_geo3k(root / "geo3k", n_train=40, n_val=8, seed=TEST_ASSETS_SEED)
+    return root

@@ -7,10 +7,11 @@ error names the file and the 0-based row index (for JSONL also the line), so a b
 17k-row file is found in seconds. Paths are files: the caller resolves `tiny://` asset paths first
 (`assets.resolve_asset_path`).
 
-Rows with images (geo3k): `images.row_images` decodes them onto `Prompt.images` and turns the
-`<image>` placeholders into image parts for the chat template, which must render each as one
-`<|image_pad|>` (a vision-language tokenizer; vLLM expands it). Lengths count the expanded image
-tokens when the caller gives `image_tokens` (the model's image processor), else one per image.
+Rows with images (geo3k): `images.row_images` checks them and puts refs to them (not pixels) on
+`Prompt.images`, and turns the `<image>` placeholders into image parts for the chat template,
+which must render each as one `<|image_pad|>` (a vision-language tokenizer; vLLM expands it).
+Lengths count the expanded image tokens when the caller gives `image_tokens` (the model's image
+processor), else one per image.
 """
 from __future__ import annotations
 
@@ -91,12 +92,12 @@ class PromptDataset:
         base_dir = os.path.dirname(os.path.abspath(path))  # relative image paths start here
         parsed: list[tuple[str, tuple, tuple]] = []  # (where, (messages, ground_truth, ...), images)
         texts: list[str] = []
-        for where, row in _read_rows(path, config_key):
+        for number, where, row in _read_rows(path, config_key):
             self.stats["rows"] += 1
             try:
                 row = json.loads(row) if isinstance(row, str) else row
                 fields = parse_row(row, self._prompt_key)
-                chat, images = row_images(row, fields[0], base_dir)
+                chat, images = row_images(row, fields[0], base_dir, path, number)
                 text = None if images else tokenizer.apply_chat_template(
                     fields[0], add_generation_prompt=True, tokenize=False, **self._template_kwargs)
             except Exception as e:  # noqa: BLE001 - any failure here is this row's fault
@@ -193,8 +194,8 @@ def parse_row(row: Any, prompt_key: str) -> tuple[list[dict[str, str]], str, str
     return messages, str(truth), data_source, extra_info
 
 
-def _read_rows(path: str, config_key: str) -> Iterator[tuple[str, Any]]:
-    """Yield ("FILE row N", row) for each row; JSONL rows come as text, decoded by the caller so
+def _read_rows(path: str, config_key: str) -> Iterator[tuple[int, str, Any]]:
+    """Yield (N, "FILE row N", row) for each row; JSONL rows come as text, decoded by the caller so
     that a line that is not JSON is a bad row like any other."""
     if not os.path.isfile(path):
         raise DataError(f"data file not found: {path} (from {config_key})")
@@ -204,11 +205,11 @@ def _read_rows(path: str, config_key: str) -> Iterator[tuple[str, Any]]:
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a corrupt file
             raise DataError(f"cannot read parquet file {path}: {e}") from e
         for i, row in enumerate(rows):
-            yield f"{path} row {i}", row
+            yield i, f"{path} row {i}", row
     elif path.endswith(".jsonl"):
         with open(path, encoding="utf-8") as f:
             for i, line in enumerate(f):
                 if line.strip():
-                    yield f"{path} row {i} (line {i + 1})", line
+                    yield i, f"{path} row {i} (line {i + 1})", line
     else:
         raise DataError(f"unknown data file type: {path} (from {config_key}); use one of {', '.join(READERS)}")

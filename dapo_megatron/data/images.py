@@ -1,10 +1,17 @@
-"""Images of verl-format rows (geo3k): decode them, and turn the `<image>` placeholders of the
-prompt into the structured content that vision-language chat templates render.
+"""Images of verl-format rows (geo3k): check them, refer to them, and turn the `<image>`
+placeholders of the prompt into the structured content that vision-language chat templates render.
 
 A row's `images` is a list of `{bytes, path}` (verl's and HF datasets' Image layout): `bytes`, an
 encoded PNG/JPEG, wins; else `path` names a file, a relative one resolved against the data file's
 folder (converted datasets keep their images next to the parquet, not next to the trainer's cwd).
 Errors are ValueError naming the image index (and the image file): the dataset adds data file and row.
+
+The dataset decodes every image once, to fail on a broken one at load time and to learn its size
+(what the prompt's token count needs), and keeps an `ImageRef`: where the image is, not its
+pixels. A prompt goes to an engine with its refs; the engine opens them (`open_image`: the image
+file, or the bytes in the data file's row), so pixels never pass through the driver. With several
+nodes the data files must be readable where the engines run (a shared file system), as the
+image files of a path-based data set must.
 """
 from __future__ import annotations
 
@@ -12,6 +19,9 @@ import io
 import os
 import re
 from typing import Any
+
+from dataclasses import dataclass
+from functools import lru_cache
 
 from PIL import Image
 
@@ -23,17 +33,54 @@ IMAGE_PAD = "<|image_pad|>"
 _PLACEHOLDER_SPLIT = re.compile(f"({re.escape(IMAGE_PLACEHOLDER)})")
 
 
-def row_images(row: dict[str, Any], messages: list[dict[str, str]],
-               base_dir: str) -> tuple[list[dict[str, Any]], tuple[Image.Image, ...]]:
-    """(messages for the chat template, decoded images) of one row. A row without `images` (or
-    with null there, as text rows of a mixed parquet file have) is text: (messages, ()) unchanged."""
+@dataclass(frozen=True)
+class ImageRef:
+    """Where one image of a data set is: an image file (`row` -1), or the bytes of `images[index]`
+    in row `row` of the parquet file `source`; with its size in pixels (the processor's grid and
+    so the prompt's token count follow from it)."""
+    source: str
+    row: int
+    index: int
+    width: int
+    height: int
+
+
+def open_image(image: "ImageRef | Image.Image") -> Image.Image:
+    """The RGB image a ref points to (an image is returned as it is)."""
+    if isinstance(image, Image.Image):
+        return image
+    if image.row < 0:
+        return _load_image(image.source, "", image.index)
+    entries = _parquet_images(image.source)[image.row].as_py()
+    return _load_image(entries[image.index], "", image.index)
+
+
+@lru_cache(maxsize=8)
+def _parquet_images(path: str):
+    """The `images` column of a parquet data file (encoded bytes), read once per process."""
+    import pyarrow.parquet as pq
+    return pq.read_table(path, columns=["images"]).column("images")
+
+
+def row_images(row: dict[str, Any], messages: list[dict[str, str]], base_dir: str, data_file: str = "",
+               row_index: int = -1) -> tuple[list[dict[str, Any]], tuple[ImageRef, ...]]:
+    """(messages for the chat template, refs to its images) of row `row_index` of `data_file`
+    (its images decoded once here, to check them). A row without `images` (or with null there, as
+    text rows of a mixed parquet file have) is text: (messages, ()) unchanged."""
     entries = row.get("images")
     if entries is None:
         return messages, ()
     if not isinstance(entries, list):
         raise ValueError(f"images must be a list of {{bytes, path}}, got a {type(entries).__name__}")
     chat = split_image_placeholders(messages, len(entries))  # cheap: before decoding anything
-    return chat, load_images(entries, base_dir)
+    refs = []
+    for i, (entry, image) in enumerate(zip(entries, load_images(entries, base_dir))):
+        data, path = _image_source(entry, i)
+        if data is not None and not data_file.endswith(".parquet"):
+            raise ValueError(f"images[{i}] has bytes, which only a parquet data file can hold")
+        source = os.path.abspath(data_file) if data is not None else _full_path(path, base_dir)
+        refs.append(ImageRef(source, row_index if data is not None else -1, i, image.width, image.height))
+    return chat, tuple(refs)
 
 
 def split_image_placeholders(messages: list[dict[str, str]], n_images: int) -> list[dict[str, Any]]:
@@ -64,7 +111,7 @@ def _load_image(entry: Any, base_dir: str, index: int) -> Image.Image:
     if data is not None:
         source, what = io.BytesIO(data), f"images[{index}] ({len(data)} bytes)"
     else:
-        full = path if os.path.isabs(path) else os.path.join(base_dir, path)
+        full = _full_path(path, base_dir)
         if not os.path.isfile(full):
             raise ValueError(f"images[{index}]: image file {full} not found (path {path!r}; a relative "
                              f"path is resolved against the data file's folder)")
@@ -75,6 +122,10 @@ def _load_image(entry: Any, base_dir: str, index: int) -> Image.Image:
             return image.convert("RGB")
     except Exception as e:  # noqa: BLE001 - PIL raises several types for a corrupt image
         raise ValueError(f"{what}: cannot decode the image: {type(e).__name__}: {e}") from e
+
+
+def _full_path(path: str, base_dir: str) -> str:
+    return path if os.path.isabs(path) else os.path.join(base_dir, path)
 
 
 def _image_source(entry: Any, index: int) -> tuple[bytes | None, str | None]:

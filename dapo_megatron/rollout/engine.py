@@ -283,13 +283,16 @@ class Engine:
         ids, n = list(prompt.ids), sampling.n
         group = RolloutGroup(request_id, index, ids, [[] for _ in range(n)], [[] for _ in range(n)], [""] * n,
                              [None] * n if self.return_routes else [])
+        images = ()
         if prompt.images:  # the prompt as vLLM expands it (its outputs then confirm it, `_route`),
             # so that a group aborted before its prefill still carries ids that match its images
+            from dapo_megatron.data.images import open_image
             from dapo_megatron.device.vision import pixel_inputs
-            group.pixel_values, grids = pixel_inputs(self._image_processor, prompt.images)
+            images = tuple(open_image(im) for im in prompt.images)  # refs -> pixels, here, not in the driver
+            group.pixel_values, grids = pixel_inputs(self._image_processor, images)
             group.image_grid_thw = grids.tolist()
             group.prompt = self._expand_image_pads(ids, group.image_grid_thw)
-        live = _Live(group, sink, [f"{request_id}#{i}" for i in range(n)], sampling, tuple(prompt.images))
+        live = _Live(group, sink, [f"{request_id}#{i}" for i in range(n)], sampling, images)
         if self._tools is not None:
             live.conversations = [Conversation() for _ in range(n)]
             group.loss_masks, group.turns = [[] for _ in range(n)], [1] * n

@@ -13,6 +13,7 @@ from PIL import Image
 
 from dapo_megatron.data import geo3k_synth as g
 from dapo_megatron.data.dataset import PromptDataset
+from dapo_megatron.data.images import open_image
 from dapo_megatron.reward.geo3k import DATA_SOURCE as REWARD_SOURCE
 
 SCENES = [g.make_scene(0, "train", i) for i in range(45)]  # 15 of each kind
@@ -31,7 +32,7 @@ def test_rows_round_trip_through_the_dataset(vl_tokenizer, tmp_path):
     assert len(ds) == 6 and ds.stats["bad_rows"] == 0
     for i, item in enumerate(ds):
         scene = g.make_scene(0, "train", i)
-        (image,) = item.prompt.images
+        (image,) = [open_image(im) for im in item.prompt.images]
         assert image.size == (g.SIZE, g.SIZE) and image.tobytes() == g.render(scene).tobytes()
         assert item.ground_truth == str(scene.answer) and item.data_source == REWARD_SOURCE
         assert item.extra_info == {"split": "train", "index": i, "kind": scene.kind}

@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from dapo_megatron.data import synthetic
 from dapo_megatron.data.dataset import DataError, PromptDataset
-from dapo_megatron.data.images import IMAGE_PAD, load_images, split_image_placeholders
+from dapo_megatron.data.images import IMAGE_PAD, ImageRef, load_images, open_image, split_image_placeholders
 
 RED, BLUE = (220, 30, 30), (30, 30, 220)
 
@@ -93,8 +93,10 @@ def test_image_rows_load_onto_the_prompt(vl_tokenizer, tmp_path, monkeypatch):
     ds = load([path], vl_tokenizer)
     assert len(ds) == 2 and ds.stats["bad_rows"] == 0
     first, second = ds[0], ds[1]
-    assert [im.getpixel((0, 0)) for im in first.prompt.images] == [RED]
-    assert [im.getpixel((0, 0)) for im in second.prompt.images] == [RED, BLUE]
+    # Refs, not pixels: the bytes stay in the data file's row, a path stays a path.
+    assert second.prompt.images == (ImageRef(str(path), 1, 0, 28, 56), ImageRef(str(data / "img" / "b.png"), -1, 1, 28, 56))
+    assert [open_image(im).getpixel((0, 0)) for im in first.prompt.images] == [RED]
+    assert [open_image(im).getpixel((0, 0)) for im in second.prompt.images] == [RED, BLUE]
     pad = vl_tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     assert first.prompt.ids.count(pad) == 1 and second.prompt.ids.count(pad) == 2  # one per image
     assert vl_tokenizer.decode(second.prompt.ids) == (
@@ -105,7 +107,7 @@ def test_image_rows_load_onto_the_prompt(vl_tokenizer, tmp_path, monkeypatch):
     jsonl = tmp_path / "rows.jsonl"  # JSONL carries paths (bytes have no JSON form)
     jsonl.write_text(json.dumps(geo_row("<image>Find x.", [{"path": str(data / "img" / "b.png")}])) + "\n")
     (item,) = load([jsonl], vl_tokenizer)
-    assert item.prompt.images[0].getpixel((0, 0)) == BLUE
+    assert open_image(item.prompt.images[0]).getpixel((0, 0)) == BLUE
 
 
 BROKEN = [  # (row, what the error says after "FILE row 1: ")
