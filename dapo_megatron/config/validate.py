@@ -236,11 +236,28 @@ def check_model(cfg: DapoConfig, spec: ModelSpec) -> None:
              f"rollout.parallel.tp ({r.tp}) must divide the attention heads ({heads}) and divide or be a "
              f"multiple of the key-value heads ({kv})")
     _check_router_replay(cfg, spec, engine)
+    _check_vision(cfg, spec, roles)
     max_pos = spec.max_position_embeddings
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
     _require(max_pos is None or total <= max_pos, "data.max_response_length",
              f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's "
              f"max_position_embeddings ({max_pos})")
+
+
+def _check_vision(cfg: DapoConfig, spec: ModelSpec, roles: list) -> None:
+    """A vision-language model's rules (the model builder enforces them too, after Ray started)."""
+    if spec.vision_config is None:
+        return
+    deep = spec.deepstack_layers
+    for role, p in roles:
+        first = spec.num_layers // (p.pp * p.vpp)
+        _require(deep <= first, f"{role}.parallel.pp",
+                 f"{spec.model_type} adds vision features (deepstack) to its first {deep} layers, which must be on "
+                 f"the first pipeline stage; {role}.parallel.pp ({p.pp}) x vpp ({p.vpp}) leaves {first} there")
+    # A fully recomputed layer re-adds the deepstack features in its checkpoint, and its backward
+    # runs through the vision tower's graph twice (measured: "backward through the graph a second time").
+    _require(not deep or cfg.actor.recompute_granularity != "full", "actor.recompute_granularity",
+             f"{spec.model_type} (deepstack) does not train with actor.recompute_granularity=full; use selective")
 
 
 def _check_router_replay(cfg: DapoConfig, spec: ModelSpec, engine) -> None:

@@ -45,8 +45,8 @@ def test_shipped_configs_load_and_validate(name):
 
 @pytest.mark.parametrize("name", ["qwen3_vl_30b_a3b_megatron_gpu", "qwen3_vl_30b_a3b_megatron_npu"])
 def test_vl_30b_configs_fit_qwen3_vl(name):
-    """What the VL model builder refuses at start (models/qwen3_vl.build_vl_chunks) and the config
-    rules do not see: deepstack's layers all on the first pipeline stage, no full recompute."""
+    """The VL rules (config.validate._check_vision, models/qwen3_vl.build_vl_chunks): deepstack's
+    layers all on the first pipeline stage, no full recompute; and the recipe's values."""
     cfg, spec = load_config(name), ModelSpec.from_hf(QWEN3_VL_30B)
     assert spec.deepstack_layers == 3 and spec.mrope_section == (24, 20, 20) and spec.num_experts == 128
     for p in (cfg.actor.parallel, cfg.ref.parallel):
@@ -207,6 +207,11 @@ MODEL_RULES = [
       "ref.parallel.cp=2"], TINY_MOE, "actor.router_replay"),
     (["actor.router_replay=rollout", "trainer.device=cuda", "rollout.enable_prefix_caching=false"], TINY_MOE,
      "rollout.enable_prefix_caching"),
+    # vision-language: deepstack's 3 layers on the first stage (48 / 16 = 3 is fine, / 24 = 2 is
+    # not), no full recompute
+    (["actor.parallel.ep=1", "ref.parallel.ep=1", "actor.parallel.pp=2", "actor.parallel.vpp=12",
+      "ref.parallel.pp=2", "ref.parallel.vpp=12"], QWEN3_VL_30B, "actor.parallel.pp"),
+    (["actor.recompute_granularity=full"], QWEN3_VL_30B, "actor.recompute_granularity"),
 ]
 
 
