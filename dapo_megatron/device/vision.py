@@ -101,6 +101,14 @@ def load_processor(model_path: str):
     return AutoProcessor.from_pretrained(model_path)
 
 
+def load_image_processor(model_path: str):
+    """The image processor alone (no tokenizer load), the class `load_processor` holds: what the
+    driver sizes prompts with and the engine makes pixel_values with."""
+    install()
+    from transformers import AutoImageProcessor
+    return AutoImageProcessor.from_pretrained(model_path)
+
+
 def vllm_plugin() -> None:
     """The `vllm.general_plugins` entry point: vLLM runs it in each of its processes."""
     install()

@@ -129,9 +129,9 @@ def _image_token_counter(spec, tokenizer_dir: str, key: str):
     image processor sizes them: device/vision.py); None for a text model."""
     if spec.vision_config is None:
         return None
-    from dapo_megatron.device.vision import image_token_counts, load_processor
+    from dapo_megatron.device.vision import image_token_counts, load_image_processor
     try:
-        processor = load_processor(tokenizer_dir).image_processor
+        processor = load_image_processor(tokenizer_dir)
     except (OSError, ValueError) as exc:
         raise ConfigError(key, f"{key} {tokenizer_dir}: cannot load the image processor of the vision-language "
                                f"model (preprocessor_config.json): {str(exc).splitlines()[0]}") from None

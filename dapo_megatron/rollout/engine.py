@@ -83,8 +83,8 @@ class Engine:
         self._max_images = cfg.max_images_per_prompt if _is_vision_language(model_path) else 0
         self._image_processor = None
         if self._max_images:
-            from dapo_megatron.device.vision import load_processor
-            self._image_processor = load_processor(model_path).image_processor
+            from dapo_megatron.device.vision import load_image_processor
+            self._image_processor = load_image_processor(model_path)
         t0 = time.perf_counter()
         self._llm = self._make_llm(model_path, cfg, _DTYPES[dtype], max_model_len, return_routes, self._max_images)
         self.startup_s = time.perf_counter() - t0

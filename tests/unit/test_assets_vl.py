@@ -31,6 +31,15 @@ def test_processor_loads_offline_with_the_vision_tokens(vl_dir):
     text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
                                    tokenize=False, add_generation_prompt=True)
     assert "<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>" in text
+    # The image processor alone (the driver's and the engine's) is the processor's, and makes the same pixels.
+    from PIL import Image
+
+    from dapo_megatron.device.vision import load_image_processor, pixel_inputs
+    alone = load_image_processor(str(vl_dir))
+    assert type(alone) is type(ip) and alone.to_dict() == ip.to_dict()
+    image = Image.effect_noise((70, 45), 40).convert("RGB")
+    (p1, g1), (p2, g2) = pixel_inputs(alone, [image]), pixel_inputs(ip, [image])
+    assert torch.equal(p1, p2) and g1.tolist() == g2.tolist() and p1.shape[0] == int(g1.prod())
 
 
 def test_checkpoint_layout_and_config(vl_dir):
