@@ -245,3 +245,43 @@ def test_scorer_gives_the_rows_extra_info_to_a_custom_reward(plane_env, tmp_path
     torch.testing.assert_close(batch.rollout_logprobs, torch.tensor([[-0.2, -0.3]] * 2))
     ray.get(reward.close.remote())
     plane.clear("extra")
+
+
+def test_a_groups_pixels_are_stored_once_and_read_once_per_rank(plane_env):
+    """A prompt's pixel rows go in once for its n responses (an image row the responses point to);
+    a rank reads each image row once however many of its rows share it; a text prompt's rows get
+    empty image fields; clearing a group's data keys clears its pixels too."""
+    from dapo_megatron.algo import Group
+    from dapo_megatron.dataplane import read_batch
+    from dapo_megatron.driver.collect import ScoredGroup, groups_to_batch
+    from dapo_megatron.driver.workers import LOGPROB_FIELDS
+    from dapo_megatron.rollout.actor import GroupStore
+    from dapo_megatron.rollout.types import RolloutGroup
+    handle, plane, _ = plane_env
+    baseline = plane.resident_bytes()
+    store = GroupStore(handle, "img")
+    pixels = torch.randn(96, 384)  # two images: grids 1x4x8 and 1x8x8
+    groups = [RolloutGroup(f"r{i}", i, list(range(200 + i)), [[7] * (5 + j) for j in range(N)],
+                           [[-0.5] * (5 + j) for j in range(N)], ["stop"] * N) for i in range(2)]
+    groups[0].pixel_values, groups[0].image_grid_thw = pixels, [[1, 4, 8], [1, 8, 8]]
+    for g in groups:
+        store.expect(g.request_id, "img")
+    stored = store.put(groups)
+    assert stored[0].image_key == "img/r0/images" and stored[1].image_key == ""
+    assert stored[0].data_keys == stored[0].keys + ["img/r0/images"] and stored[1].data_keys == stored[1].keys
+    resident = plane.resident_bytes() - baseline
+    assert pixels.numel() * 4 < resident < 2 * pixels.numel() * 4  # once, not N times
+    scored = [Group([0.0] * N, ScoredGroup(_items(1)[0], s, torch.zeros(N), torch.zeros(N, dtype=torch.bool)))
+              for s in stored]
+    step = groups_to_batch(scored, "img")
+    assert step.image_keys == ["img/r0/images"] * N + [""] * N and "pixel_values" in step.fields
+    plane.pop_counters()
+    batch = read_batch(plane, step, [0, 2, 5, 7], LOGPROB_FIELDS)
+    assert plane.pop_counters()["bytes_get"] < pixels.numel() * 4 * 1.5  # the shared image row read once
+    assert torch.equal(batch.pixel_values[0], pixels) and torch.equal(batch.pixel_values[1], pixels)
+    assert batch.image_grid_thw[1].tolist() == [[1, 4, 8], [1, 8, 8]]
+    assert batch.pixel_values[2].shape == (0, 384) and batch.image_grid_thw[3].shape == (0, 3)
+    text_only = read_batch(plane, step, [4, 6], LOGPROB_FIELDS)
+    assert text_only.pixel_values is None  # no image row among them: no image fields at all
+    plane.clear("img", [k for s in stored for k in s.data_keys])
+    assert plane.resident_bytes() == baseline
