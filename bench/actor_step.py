@@ -16,6 +16,18 @@ Model FLOPs (same count for both sides, padding not counted): 6 x active params 
 active = all params but the input embedding (a lookup) with expert weights scaled by top_k /
 num_experts, plus attention 12 x layers x (heads x head_dim) x seq_len per token (PaLM's count,
 no causal halving). MFU = achieved FLOP/s / peak (--peak-tflops; defaults are H100 SXM dense).
+
+    python bench/actor_step.py --vl [--samples 16] [--repeats 3]                 # VL vs text, same text sizes
+
+--vl: the tiny Qwen3-VL-MoE (assets.models.TINY_VL_MOE; --hidden etc. do not apply) against a
+Qwen3-MoE of the same text sizes, both sides (ours, HF), on the same token counts: each prompt is
+one 224x224 image (a geo3k figure's size: grid 1x28x28, 784 patches, 196 image tokens, random
+pixels) between ~60 text tokens; the text batch has the same ids with the image and vision tokens
+replaced by text tokens, and no images. Tower share: the vision tower's inputs of the last timed
+update are recorded (a forward hook), then the tower alone runs forward + backward on them (the
+sum of its outputs as the loss; its gradient hooks, Megatron's grad buffers included, fire as in
+the update), best of `repeats`, divided by the best update time. What it leaves out: writing the
+image embeddings into the sequence and the deepstack additions (a masked scatter and adds).
 """
 from __future__ import annotations
 
@@ -70,19 +82,22 @@ def best_tokens_per_s(step, tokens: int, repeats: int, dev) -> float:
     return best
 
 
-def megatron_tokens_per_s(hf_dir: str, batch, repeats: int, dtype: str, dev) -> float:
+def init_one_process(dev) -> None:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=os.environ.get("MASTER_PORT", "29561"))
     from dapo_megatron.config.schema import ParallelConfig
-    from dapo_megatron.train.actor import Actor
     from dapo_megatron.train.parallel import init_parallel
     init_parallel(ParallelConfig(), dev)
+
+
+def megatron_step(hf_dir: str, batch, dtype: str):
+    """(one update of `batch` by our actor, its vision tower or None); init_one_process first."""
+    from dapo_megatron.train.actor import Actor
     actor = Actor(actor_jobs.actor_config({}, ppo_mini_batch_size=len(batch), max_tokens_per_microbatch=16384),
                   hf_dir, n=1, total_steps=100, dtype=dtype)
     batch.old_logprobs = actor_jobs.perturbed_old(actor_jobs.everywhere(actor.compute_logprobs(batch))["logprobs"])
     batch.ref_logprobs = batch.old_logprobs - 0.05
-    tokens = sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
-    return best_tokens_per_s(lambda: actor.update(batch), tokens, repeats, dev)
+    return lambda: actor.update(batch), getattr(actor.chunks[0], "visual", None)
 
 
 def hf_update(model, optimizer, batch, cfg, dev: torch.device) -> None:
@@ -93,8 +108,13 @@ def hf_update(model, optimizer, batch, cfg, dev: torch.device) -> None:
     attn = torch.zeros(len(seqs), width, dtype=torch.long)
     for i, s in enumerate(seqs):
         tokens[i, : len(s)], attn[i, : len(s)] = s, 1
+    images = {}
+    if batch.pixel_values is not None:  # the images of all rows, in row order, as HF takes them
+        images = dict(pixel_values=torch.cat(batch.pixel_values).to(dev),
+                      image_grid_thw=torch.cat(batch.image_grid_thw).to(dev),
+                      mm_token_type_ids=(tokens == model.config.image_token_id).int().to(dev))
     tokens, attn = tokens.to(dev), attn.to(dev)
-    logits = model(input_ids=tokens, attention_mask=attn).logits  # [B, S, V]
+    logits = model(input_ids=tokens, attention_mask=attn, **images).logits  # [B, S, V]
     mask = batch.loss_mask.to(dev)  # [B, T]
     T = mask.shape[1]
     cols = torch.tensor([len(p) - 1 for p in batch.prompts])[:, None] + torch.arange(T)[None]  # [B, T]
@@ -115,24 +135,105 @@ def hf_update(model, optimizer, batch, cfg, dev: torch.device) -> None:
     optimizer.step()
 
 
-def hf_tokens_per_s(hf_dir: str, batch, repeats: int, dtype: str, dev, impl: str) -> tuple[float, str]:
-    """(tokens/s, "attention / experts implementation" that transformers picked)."""
-    from transformers import AutoModelForCausalLM
+def hf_step(hf_dir: str, batch, dtype: str, dev, impl: str):
+    """(one update of `batch` by HF + AdamW, its vision tower or None, "attention / experts
+    implementation" that transformers picked)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     cfg = actor_jobs.actor_config({})
     kw = dict(attn_implementation="eager", experts_implementation="eager") if impl == "eager" else {}
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=_TORCH_DTYPES[dtype], **kw).to(dev.torch_device())
+    vl = hasattr(AutoConfig.from_pretrained(hf_dir), "vision_config")
+    auto = AutoModelForImageTextToText if vl else AutoModelForCausalLM
+    model = auto.from_pretrained(hf_dir, dtype=_TORCH_DTYPES[dtype], **kw).to(dev.torch_device())
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                                   betas=tuple(cfg.optim.betas))
-    tokens = sum(len(p) + len(r) for p, r in zip(batch.prompts, batch.responses))
     c = model.config
     used = f"{c._attn_implementation} attention, {getattr(c, '_experts_implementation', '?')} experts"
     step = lambda: hf_update(model, optimizer, batch, cfg, dev.torch_device())  # noqa: E731
-    return best_tokens_per_s(step, tokens, repeats, dev), used
+    return step, (model.model.visual if vl else None), used
+
+
+def timed(step, tower, tokens: int, repeats: int, dev) -> tuple[float, float]:
+    """(best tokens/s of `step`, the tower's share of the best step time; 0 without a tower)."""
+    if tower is None:
+        return best_tokens_per_s(step, tokens, repeats, dev), 0.0
+    calls = []
+    hook = tower.register_forward_hook(lambda _m, args, kw, _out: calls.append((args, kw)), with_kwargs=True)
+    tps = best_tokens_per_s(step, tokens, repeats, dev)
+    hook.remove()
+    last = calls[len(calls) - len(calls) // (repeats + 1):]  # the last update's calls
+
+    def tower_step():
+        for args, kw in last:
+            out = tower(*args, **kw)
+            (out.pooler_output.sum() + sum(f.sum() for f in out.deepstack_features)).backward()
+    tower_s = 1 / best_tokens_per_s(tower_step, 1, repeats, dev)
+    return tps, tower_s / (tokens / tps)
+
+
+def vl_batches(n_samples: int, seed: int = 0):
+    """(VL batch, text batch) of the same token ids but for the images: see the module docstring."""
+    from dapo_megatron.assets.models import TINY_VL_MOE
+    from dapo_megatron.batch import RolloutBatch
+    vision = TINY_VL_MOE["vision_config"]
+    image, start, end = (TINY_VL_MOE[k] for k in ("image_token_id", "vision_start_token_id", "vision_end_token_id"))
+    grid = torch.tensor([[1, 28, 28]])
+    patch_dim = vision["in_channels"] * vision["temporal_patch_size"] * vision["patch_size"] ** 2
+    g = torch.Generator().manual_seed(seed)
+    text = lambda n: torch.randint(0, image, (n,), generator=g).tolist()  # noqa: E731
+    n_image = 2 + int(grid.prod()) // vision["spatial_merge_size"] ** 2  # with vision start / end
+    vl, plain = [], []
+    for i in range(n_samples):
+        head, tail = text(int(torch.randint(20, 60, (1,), generator=g))), text(20)
+        row = dict(responses=text(int(torch.randint(16, 128, (1,), generator=g))), group=i // 2, prompt_index=i // 2)
+        vl.append(dict(row, prompts=head + [start] + [image] * (n_image - 2) + [end] + tail,
+                       pixel_values=torch.randn(int(grid.prod()), patch_dim, generator=g), image_grid_thw=grid))
+        plain.append(dict(row, prompts=head + text(n_image) + tail))
+    advantages = torch.randn(n_samples, generator=g)
+    batches = RolloutBatch.from_samples(vl), RolloutBatch.from_samples(plain)
+    for b in batches:
+        b.advantages = advantages.clone()
+    return batches
+
+
+def vl_main(args, dev) -> None:
+    """The --vl table: ours and HF, text model vs VL model of the same text sizes, same tokens."""
+    from dapo_megatron.assets.models import TINY_VL_MOE, build_tiny_model, build_tiny_vl_model
+    text_cfg = {k: v for k, v in TINY_VL_MOE["text_config"].items()
+                if k not in ("vocab_size", "rope_parameters", "tie_word_embeddings")}
+    vl_batch, text_batch = vl_batches(args.samples)
+    tokens = sum(vl_batch.sequence_lengths)
+    init_one_process(dev)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        dirs = dict(text=build_tiny_model("qwen3_moe", f"{tmp}/text", vocab_size=509, **text_cfg),
+                    VL=build_tiny_vl_model(f"{tmp}/vl"))
+        for side in ("megatron actor (ours)", "HF transformers + torch AdamW"):
+            for kind, batch in (("text", text_batch), ("VL", vl_batch)):
+                if side.startswith("megatron"):
+                    step, tower = megatron_step(dirs[kind], batch, args.dtype)
+                else:
+                    step, tower, _ = hf_step(dirs[kind], batch, args.dtype, dev, args.hf_impl)
+                rows.append((side, kind, *timed(step, tower, tokens, args.repeats, dev)))
+    t, v = TINY_VL_MOE["text_config"], TINY_VL_MOE["vision_config"]
+    where = (f"{getattr(torch, dev.kind).get_device_name()}" if dev.is_accelerator
+             else f"CPU, {torch.get_num_threads()} threads")
+    print(f"one update, qwen3_vl_moe tiny (text hidden {t['hidden_size']} x {t['num_hidden_layers']} layers, "
+          f"{t['num_experts']} experts top-{t['num_experts_per_tok']}, vocab {t['vocab_size']}; tower {v['depth']} "
+          f"blocks, hidden {v['hidden_size']}) vs qwen3_moe of the same text sizes, {args.dtype}, {args.samples} "
+          f"sequences, {tokens} tokens, {args.samples} images 224x224 (196 image tokens each), {where}, 1 process")
+    print(f"{'implementation':<32}{'model':<7}{'tokens/s':>10}{'images/s':>10}{'tower share':>13}")
+    for side, kind, tps, share in rows:
+        images = f"{args.samples * tps / tokens:>10.2f}" if kind == "VL" else f"{'-':>10}"
+        print(f"{side:<32}{kind:<7}{tps:>10.0f}{images}" + (f"{share:>13.1%}" if kind == "VL" else f"{'-':>13}"))
+    for side, (_, _, text_tps, _), (_, _, vl_tps, _) in (("ours", rows[0], rows[1]), ("HF", rows[2], rows[3])):
+        print(f"{'VL / text tokens/s, ' + side:<39}{vl_tps / text_tps:>10.2f}")
+    print(f"{'ours / HF tokens/s, VL':<39}{rows[1][2] / rows[3][2]:>10.2f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vl", action="store_true", help="tiny Qwen3-VL-MoE vs text model of its text sizes")
     parser.add_argument("--samples", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=128)
@@ -147,6 +248,8 @@ def main() -> None:
                         help="peak of the device for --dtype (default: H100 SXM dense, bf16 989, fp32 67)")
     args = parser.parse_args()
     dev = get_device("auto")
+    if args.vl:
+        return vl_main(args, dev)
     peak = (args.peak_tflops or _PEAK_TFLOPS[args.dtype]) * 1e12
     from dapo_megatron.assets.models import build_tiny_model
     with tempfile.TemporaryDirectory() as tmp:
@@ -154,9 +257,11 @@ def main() -> None:
         batch = actor_jobs.make_batch(n_samples=args.samples, vocab=args.vocab, max_prompt=64, max_response=128)
         seq_lens = [len(p) + len(r) for p, r in zip(batch.prompts, batch.responses)]
         flops, active = update_flops(hf_dir, seq_lens)
-        ours = megatron_tokens_per_s(hf_dir, batch, args.repeats, args.dtype, dev)
-        base, hf_impl = hf_tokens_per_s(hf_dir, batch, args.repeats, args.dtype, dev, args.hf_impl)
-    tokens = sum(seq_lens)
+        tokens = sum(seq_lens)
+        init_one_process(dev)
+        ours = best_tokens_per_s(megatron_step(hf_dir, batch, args.dtype)[0], tokens, args.repeats, dev)
+        step, _, hf_impl = hf_step(hf_dir, batch, args.dtype, dev, args.hf_impl)
+        base = best_tokens_per_s(step, tokens, args.repeats, dev)
     where = (f"{getattr(torch, dev.kind).get_device_name()}" if dev.is_accelerator
              else f"CPU, {torch.get_num_threads()} threads")
     print(f"one update, qwen3_moe hidden {args.hidden} x {args.layers} layers, {args.experts} experts top-{args.topk}, "
