@@ -36,3 +36,34 @@ def test_tp2_moe_generate_push_as_bytes_and_checksum(tmp_path):
         assert checksum_mismatches(state_dict_checksums(items), before) != []
     finally:
         engine.shutdown()
+
+
+def test_tp2_vision_language_engine_matches_hf_before_and_after_a_push(tmp_path):
+    """The tiny Qwen3-VL-MoE on a 2-way TP engine (workers in other processes: the vision tower
+    is split over them by vLLM, the push goes as bytes): image prompts' log-probs equal HF on the
+    weights before and after a push of another checkpoint, tower included."""
+    from safetensors.torch import load_file
+
+    from dapo_megatron.assets.vl import build_vl_assets
+    from dapo_megatron.batch import Prompt
+    from dapo_megatron.config.schema import ParallelConfig, RolloutConfig
+    from dapo_megatron.device.vision import load_processor
+    from dapo_megatron.rollout.engine import Engine
+    from dapo_megatron.rollout.types import Sampling
+    from tests.e2e.test_engine_vl import TOLERANCE, _ids, _image, _max_diff_to_hf
+    paths = [str(build_vl_assets(tmp_path / n, seed=s)) for n, s in (("A", 0), ("B", 1))]
+    processor = load_processor(paths[0])
+    prompts = [Prompt(tuple(_ids(processor, 1, "How many shapes?")), (_image(40, 60, 0),)),
+               Prompt(tuple(_ids(processor, 2, "Which is larger?")), (_image(90, 50, 1), _image(64, 64, 2)))]
+    sampling = Sampling(n=2, temperature=1.0, max_tokens=8, seed=3)
+    engine = Engine(paths[0], RolloutConfig(enforce_eager=True, seed=0, max_images_per_prompt=2,
+                                            parallel=ParallelConfig(tp=2)), dtype="fp32", max_model_len=1024)
+    try:
+        assert engine.weight_transport == "bytes"
+        before = _max_diff_to_hf(paths[0], processor, prompts, engine.generate(prompts, sampling))
+        engine.update_weights([sorted(load_file(f"{paths[1]}/model.safetensors").items())])
+        after = _max_diff_to_hf(paths[1], processor, prompts, engine.generate(prompts, sampling))
+    finally:
+        engine.shutdown()
+    print(f"qwen3_vl_moe TP2 engine: max |rollout_logprobs - HF| = {before:.2e} before, {after:.2e} after a push")
+    assert before <= TOLERANCE and after <= TOLERANCE
