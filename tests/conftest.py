@@ -52,6 +52,14 @@ def tool_assets(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_model(tmp_path_factory) -> Path:
+    """The tiny Qwen3-VL-MoE bundle (`assets/vl.py`: model, tokenizer, processor config), built once
+    per session. Read-only: a test that needs other weights builds its own."""
+    from dapo_megatron.assets.vl import build_vl_assets
+    return build_vl_assets(tmp_path_factory.mktemp("vl") / "qwen3_vl_moe", seed=0)
+
+
+@pytest.fixture(scope="session")
 def vl_tokenizer(tiny_assets, tmp_path_factory):
     """The tiny tokenizer with Qwen-VL's vision tokens (one id each) and a chat template that
     renders image parts, saved and reloaded so that `name_or_path` is a real directory."""

@@ -13,6 +13,10 @@ How vLLM's fused parameters map back to HF names (tables below, code only for th
   A CPU kernel may pad I to P >= I: gate rows [0, I), up rows [P, P+I), down columns [0, I).
 - `embed_tokens` / `lm_head` rows are padded to a multiple of 64: rows [0, vocab_size) are HF's.
 - Every other parameter has the HF name and layout. Tied embeddings: vLLM holds no `lm_head`.
+- A model that vLLM loads under other module prefixes says so in its own renaming table
+  (`hf_to_vllm_mapper.orig_to_new_prefix`), read here inverted: Qwen3-VL's
+  `model.language_model.` is vLLM's `language_model.model.`, `lm_head.` its `language_model.lm_head.`,
+  the vision tower `model.visual.` its `visual.` (same layout as HF's, its `attn.qkv` fused as in HF).
 - TP > 1: each worker holds a slice of most tensors (column-parallel rows, row-parallel columns,
   vocab rows, expert intermediate rows/columns); `hf_named_shards` says where each slice sits, so
   checksums are taken per slice and merged by the engine (`checksum.shard_checksum`).
@@ -41,9 +45,21 @@ VLLM_ONLY_MODULES = (".routed_experts",)
 Bucket = Union[list[tuple[str, torch.Tensor]], bytes]
 
 
-def hf_module_name(vllm_module: str) -> str:
+def hf_prefixes(model) -> dict[str, str]:
+    """vLLM module prefix -> HF prefix: the model's load-time prefix renaming, inverted ({} for the
+    text models, whose modules carry the HF names)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    return {new: hf for hf, new in getattr(mapper, "orig_to_new_prefix", {}).items() if new is not None}
+
+
+def hf_module_name(vllm_module: str, prefixes: Optional[dict[str, str]] = None) -> str:
+    """The HF name of a vLLM module path (`prefixes`: `hf_prefixes` of its model)."""
     for part in VLLM_ONLY_MODULES:
         vllm_module = vllm_module.replace(part, "")
+    dotted = vllm_module + "."
+    for prefix in sorted(prefixes or {}, key=len, reverse=True):
+        if dotted.startswith(prefix):
+            return (prefixes[prefix] + dotted[len(prefix):])[:-1]
     return vllm_module
 
 
@@ -119,11 +135,11 @@ def hf_named_shards(model) -> Iterator[tuple[str, torch.Tensor, Slice]]:
     from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
     tp_rank = get_tensor_model_parallel_rank()
-    modules = dict(model.named_modules())
+    modules, prefixes = dict(model.named_modules()), hf_prefixes(model)
     for name, param in model.named_parameters():
         module_name, _, pname = name.rpartition(".")
         module = modules[module_name]
-        hf_module = hf_module_name(module_name)
+        hf_module = hf_module_name(module_name, prefixes)
         tensor = param.detach()
         if pname == "weight" and tensor.numel() == 0 and hasattr(module, "cpu_linear"):
             tensor = _unpack_linear(module, tensor)
