@@ -36,3 +36,18 @@ def test_tp2_moe_generate_push_as_bytes_and_checksum(tmp_path):
         assert checksum_mismatches(state_dict_checksums(items), before) != []
     finally:
         engine.shutdown()
+
+
+def test_tp2_vl_checksums_name_every_tensor(tiny_vl_model):
+    """Qwen3-VL-MoE on a TP2 engine: the workers' slices of the vision tower (its fused `attn.qkv`
+    is sharded q / k / v part by part), of the text model and of the experts merge into the sync's
+    whole-tensor checksums, and a corrupted tower tensor or expert is named."""
+    from dapo_megatron.config.schema import ParallelConfig, RolloutConfig
+    from dapo_megatron.rollout.engine import Engine
+    from tests.e2e.test_engine_vl import check_checksums_name_every_tensor
+    engine = Engine(str(tiny_vl_model), RolloutConfig(enforce_eager=True, parallel=ParallelConfig(tp=2)),
+                    dtype="fp32", max_model_len=256)
+    try:
+        check_checksums_name_every_tensor(engine, str(tiny_vl_model))
+    finally:
+        engine.shutdown()

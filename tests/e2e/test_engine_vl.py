@@ -159,20 +159,22 @@ def test_push_new_weights_vision_tower_included(vl, tmp_path):
     assert [g.responses for g in again] == [g.responses for g in vl["groups"]]
 
 
-def test_checksums_cover_every_tensor_vision_tower_included(vl):
+def check_checksums_name_every_tensor(engine, path: str) -> None:
     """Engine.checksums() names every tensor the weight sync sends (text under
     `model.language_model.`, per-expert experts, `model.visual.*`) with the sender's checksum; a push
-    with one vision tower tensor and one expert altered shows exactly those two as mismatches."""
+    with one vision tower tensor and one expert altered shows exactly those two as mismatches.
+    The engine is left holding `path`'s weights."""
     from safetensors.torch import load_file
     from dapo_megatron.models import ModelSpec
     from dapo_megatron.weights import HFCheckpoint, name_map
     from dapo_megatron.weights.checksum import checksum_mismatches, state_dict_checksums
     from dapo_megatron.weights.load import UnstackedExperts
-    engine, spec = vl["engine"], ModelSpec.from_pretrained(vl["path"])
-    ckpt = UnstackedExperts(HFCheckpoint(vl["path"]), spec)
+    spec = ModelSpec.from_pretrained(path)
+    ckpt = UnstackedExperts(HFCheckpoint(path), spec)
     sent = {name: ckpt.read(name) for name in name_map.expected_hf_shapes(spec, files=False)}  # the sync's names
     assert sum(name.startswith("model.visual.") for name in sent) > 10
-    assert checksum_mismatches(state_dict_checksums(sent.items()), engine.checksums()) == []
+    expected = state_dict_checksums(sent.items())
+    assert checksum_mismatches(expected, engine.checksums()) == []
     corrupt = ("model.visual.blocks.0.attn.qkv.weight", "model.language_model.layers.1.mlp.experts.2.down_proj.weight")
     pushed = dict(sent)
     for name in corrupt:
@@ -180,10 +182,14 @@ def test_checksums_cover_every_tensor_vision_tower_included(vl):
         pushed[name][1, 2] += 1e-3
     try:
         engine.update_weights([sorted(pushed.items())])
-        assert checksum_mismatches(state_dict_checksums(sent.items()), engine.checksums()) == sorted(corrupt)
-    finally:  # back to A for the other tests
-        engine.update_weights([sorted(load_file(f"{vl['path']}/model.safetensors").items())])
-    assert checksum_mismatches(state_dict_checksums(sent.items()), engine.checksums()) == []
+        assert checksum_mismatches(expected, engine.checksums()) == sorted(corrupt)
+    finally:
+        engine.update_weights([sorted(load_file(f"{path}/model.safetensors").items())])
+    assert checksum_mismatches(expected, engine.checksums()) == []
+
+
+def test_checksums_cover_every_tensor_vision_tower_included(vl):
+    check_checksums_name_every_tensor(vl["engine"], vl["path"])
 
 
 def test_refuses_more_images_than_configured(vl):
