@@ -52,6 +52,14 @@ def tool_assets(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_vl_model(tmp_path_factory) -> Path:
+    """The tiny Qwen3-VL-MoE bundle (`assets/vl.py`: model, tokenizer, processor config), built once
+    per session. Read-only: a test that needs other weights builds its own."""
+    from dapo_megatron.assets.vl import build_vl_assets
+    return build_vl_assets(tmp_path_factory.mktemp("vl") / "qwen3_vl_moe", seed=0)
+
+
+@pytest.fixture(scope="session")
 def vl_tokenizer(tiny_assets, tmp_path_factory):
     """The tiny tokenizer with Qwen-VL's vision tokens (one id each) and a chat template that
     renders image parts, saved and reloaded so that `name_or_path` is a real directory."""
@@ -66,12 +74,9 @@ def vl_tokenizer(tiny_assets, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def vl_assets(tmp_path_factory) -> Path:
-    """The tiny VL bundle, random init (qwen3_vl_moe/: model, tokenizer, image processor) and
-    geo3k-format data (geo3k/{train,test}.parquet: 224 px figures, ~300-token prompts)."""
-    from dapo_megatron.assets.vl import build_vl_assets
+def geo3k_data(tmp_path_factory) -> Path:
+    """geo3k-format data (train.parquet, test.parquet: 224 px figures, ~300-token prompts)."""
     from dapo_megatron.data.geo3k_synth import write_geo3k
-    root = tmp_path_factory.mktemp("vl-assets")
-    build_vl_assets(root / "qwen3_vl_moe", seed=TEST_ASSETS_SEED)
-    write_geo3k(root / "geo3k", n_train=40, n_val=8, seed=TEST_ASSETS_SEED)
-    return root
+    out = tmp_path_factory.mktemp("geo3k")
+    write_geo3k(out, n_train=40, n_val=8, seed=TEST_ASSETS_SEED)
+    return out

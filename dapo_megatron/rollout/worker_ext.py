@@ -13,6 +13,11 @@ How vLLM's fused parameters map back to HF names (tables below, code only for th
   A CPU kernel may pad I to P >= I: gate rows [0, I), up rows [P, P+I), down columns [0, I).
 - `embed_tokens` / `lm_head` rows are padded to a multiple of 64: rows [0, vocab_size) are HF's.
 - Every other parameter has the HF name and layout. Tied embeddings: vLLM holds no `lm_head`.
+- A model that vLLM loads under other module prefixes says so in its own renaming table
+  (`hf_to_vllm_mapper.orig_to_new_prefix`), read here inverted: Qwen3-VL's
+  `model.language_model.` is vLLM's `language_model.model.`, `lm_head.` its `language_model.lm_head.`,
+  the vision tower `model.visual.` its `visual.` (HF's layout; its `attn.qkv`, fused in HF too, is
+  sharded q / k / v part by part over TP, so a worker holds several slices of it).
 - TP > 1: each worker holds a slice of most tensors (column-parallel rows, row-parallel columns,
   vocab rows, expert intermediate rows/columns); `hf_named_shards` says where each slice sits, so
   checksums are taken per slice and merged by the engine (`checksum.shard_checksum`).
@@ -27,7 +32,7 @@ from typing import Iterable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
-from dapo_megatron.weights.checksum import Checksum, shard_checksum
+from dapo_megatron.weights.checksum import Checksum, merge_checksums, shard_checksum
 
 # vLLM fused module (last name component) -> the HF modules it stacks along dim 0.
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
@@ -41,9 +46,21 @@ VLLM_ONLY_MODULES = (".routed_experts",)
 Bucket = Union[list[tuple[str, torch.Tensor]], bytes]
 
 
-def hf_module_name(vllm_module: str) -> str:
+def hf_prefixes(model) -> dict[str, str]:
+    """vLLM module prefix -> HF prefix: the model's load-time prefix renaming, inverted ({} for the
+    text models, whose modules carry the HF names)."""
+    mapper = getattr(model, "hf_to_vllm_mapper", None)
+    return {new: hf for hf, new in getattr(mapper, "orig_to_new_prefix", {}).items() if new is not None}
+
+
+def hf_module_name(vllm_module: str, prefixes: Optional[dict[str, str]] = None) -> str:
+    """The HF name of a vLLM module path (`prefixes`: `hf_prefixes` of its model)."""
     for part in VLLM_ONLY_MODULES:
         vllm_module = vllm_module.replace(part, "")
+    dotted = vllm_module + "."
+    for prefix in sorted(prefixes or {}, key=len, reverse=True):
+        if dotted.startswith(prefix):
+            return (prefixes[prefix] + dotted[len(prefix):])[:-1]
     return vllm_module
 
 
@@ -119,11 +136,11 @@ def hf_named_shards(model) -> Iterator[tuple[str, torch.Tensor, Slice]]:
     from vllm.distributed import get_tensor_model_parallel_rank
     from vllm.model_executor.layers.linear import ColumnParallelLinear, RowParallelLinear
     tp_rank = get_tensor_model_parallel_rank()
-    modules = dict(model.named_modules())
+    modules, prefixes = dict(model.named_modules()), hf_prefixes(model)
     for name, param in model.named_parameters():
         module_name, _, pname = name.rpartition(".")
         module = modules[module_name]
-        hf_module = hf_module_name(module_name)
+        hf_module = hf_module_name(module_name, prefixes)
         tensor = param.detach()
         if pname == "weight" and tensor.numel() == 0 and hasattr(module, "cpu_linear"):
             tensor = _unpack_linear(module, tensor)
@@ -133,6 +150,8 @@ def hf_named_shards(model) -> Iterator[tuple[str, torch.Tensor, Slice]]:
                                       global_expert_ids(_expert_map(module), tensor.shape[0]))
         elif module_name.rpartition(".")[2] in FUSED_MODULES:
             yield from _split_fused(module, hf_module, pname, tensor)
+        elif len(getattr(module, "output_partition_sizes", ())) > 1 and module.tp_size > 1:
+            yield from _fused_in_hf(module, f"{hf_module}.{pname}", tensor)
         elif isinstance(module, ColumnParallelLinear) and module.tp_size > 1:
             yield f"{hf_module}.{pname}", tensor, _along(tensor, 0, module.tp_rank, module.tp_size)
         elif isinstance(module, RowParallelLinear) and module.tp_size > 1 and pname == "weight":
@@ -160,6 +179,18 @@ def _split_fused(module, hf_module: str, pname: str, t: torch.Tensor):
         if module.tp_rank % replicas == 0:  # ranks sharing one KV head: the first one counts it
             yield f"{parent}.{hf_leaf}.{pname}", part, _along(part, 0, module.tp_rank // replicas,
                                                             module.tp_size // replicas)
+
+
+def _fused_in_hf(module, hf_name: str, t: torch.Tensor):
+    """A linear that vLLM shards part by part but HF holds as one tensor (Qwen3-VL's vision
+    `attn.qkv` = rows [q; k; v]): this rank's rows of each part, at their place in the HF tensor
+    (several slices under one name; the worker's checksums add them up). Its KV heads are not
+    replicated over TP (the vision tower has as many as query heads)."""
+    sizes = list(module.output_partition_sizes)
+    full, start = (t.shape[0] * module.tp_size, *t.shape[1:]), 0
+    for size, part in zip(sizes, torch.split(t, sizes, dim=0)):
+        yield hf_name, part, Slice(full, 0, start + module.tp_rank * size)
+        start += size * module.tp_size
 
 
 def _expert_map(module) -> Optional[torch.Tensor]:
@@ -250,7 +281,8 @@ class WeightSyncExtension:
 
     def weight_sync_checksums(self) -> dict[str, Checksum]:
         """Partial checksums of this worker's slices; the engine merges its workers' partials."""
-        return {name: shard_checksum(t, *where) for name, t, where in hf_named_shards(self.model_runner.get_model())}
+        return merge_checksums({name: shard_checksum(t, *where)}
+                               for name, t, where in hf_named_shards(self.model_runner.get_model()))
 
     def weight_sync_hf_tensors(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
         """Copies of the named HF tensors as the engine holds them (debugging and tests)."""

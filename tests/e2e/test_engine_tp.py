@@ -38,10 +38,11 @@ def test_tp2_moe_generate_push_as_bytes_and_checksum(tmp_path):
         engine.shutdown()
 
 
-def test_tp2_vision_language_engine_matches_hf_before_and_after_a_push(tmp_path):
-    """The tiny Qwen3-VL-MoE on a 2-way TP engine (workers in other processes: the vision tower
-    is split over them by vLLM, the push goes as bytes): image prompts' log-probs equal HF on the
-    weights before and after a push of another checkpoint, tower included."""
+def test_tp2_vision_language_engine_checksums_and_logprobs_before_and_after_a_push(tiny_vl_model, tmp_path):
+    """The tiny Qwen3-VL-MoE on a 2-way TP engine (workers in other processes: vLLM splits the
+    tower, its fused `attn.qkv` sharded q / k / v part by part; pushes go as bytes): the workers'
+    slices merge into the sync's whole-tensor checksums and a corrupted tower tensor or expert is
+    named; image prompts' log-probs equal HF before and after a push of another checkpoint."""
     from safetensors.torch import load_file
 
     from dapo_megatron.assets.vl import build_vl_assets
@@ -50,8 +51,8 @@ def test_tp2_vision_language_engine_matches_hf_before_and_after_a_push(tmp_path)
     from dapo_megatron.device.vision import load_processor
     from dapo_megatron.rollout.engine import Engine
     from dapo_megatron.rollout.types import Sampling
-    from tests.e2e.test_engine_vl import TOLERANCE, _ids, _image, _max_diff_to_hf
-    paths = [str(build_vl_assets(tmp_path / n, seed=s)) for n, s in (("A", 0), ("B", 1))]
+    from tests.e2e.test_engine_vl import TOLERANCE, _ids, _image, _max_diff_to_hf, check_checksums_name_every_tensor
+    paths = [str(tiny_vl_model), str(build_vl_assets(tmp_path / "B", seed=1))]
     processor = load_processor(paths[0])
     prompts = [Prompt(tuple(_ids(processor, 1, "How many shapes?")), (_image(40, 60, 0),)),
                Prompt(tuple(_ids(processor, 2, "Which is larger?")), (_image(90, 50, 1), _image(64, 64, 2)))]
@@ -61,6 +62,7 @@ def test_tp2_vision_language_engine_matches_hf_before_and_after_a_push(tmp_path)
     try:
         assert engine.weight_transport == "bytes"
         before = _max_diff_to_hf(paths[0], processor, prompts, engine.generate(prompts, sampling))
+        check_checksums_name_every_tensor(engine, paths[0])
         engine.update_weights([sorted(load_file(f"{paths[1]}/model.safetensors").items())])
         after = _max_diff_to_hf(paths[1], processor, prompts, engine.generate(prompts, sampling))
     finally:

@@ -33,12 +33,11 @@ def _ids(processor, n_images: int, text: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def vl(tmp_path_factory):
-    from dapo_megatron.assets.vl import build_vl_assets
+def vl(tiny_vl_model):
     from dapo_megatron.config.schema import RolloutConfig
     from dapo_megatron.device.vision import load_processor
     from dapo_megatron.rollout.engine import Engine
-    path = str(build_vl_assets(tmp_path_factory.mktemp("vl") / "qwen3_vl_moe", seed=0))
+    path = str(tiny_vl_model)
     processor = load_processor(path)
     engine = Engine(path, RolloutConfig(enforce_eager=True, seed=0, max_images_per_prompt=2), dtype="fp32",
                     max_model_len=1024)
@@ -85,24 +84,12 @@ def test_prompt_expanded_to_the_image_grids(vl):
     assert vl["groups"][1].image_grid_thw[0] != vl["groups"][1].image_grid_thw[1]
 
 
-@torch.no_grad()
 def _max_diff_to_hf(path, processor, prompts, groups) -> float:
     """max |rollout_logprobs - HF| over all responses: HF on the engine's expanded prompt + the
-    response, with pixel values and grids of the shared processor."""
-    from transformers import Qwen3VLMoeForConditionalGeneration
-    from dapo_megatron.assets.models import TINY_VL_MOE
-    model = Qwen3VLMoeForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    worst = 0.0
-    for prompt, group in zip(prompts, groups):
-        pixels = processor.image_processor(images=list(prompt.images), return_tensors="pt") if prompt.images else {}
-        for response, logprobs in zip(group.responses, group.rollout_logprobs):
-            ids = torch.tensor([group.prompt + response])
-            logits = model(input_ids=ids, mm_token_type_ids=(ids == TINY_VL_MOE["image_token_id"]).int(),
-                           **dict(pixels)).logits[0].float()
-            p = len(group.prompt)
-            hf = torch.log_softmax(logits[p - 1:-1], -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
-            worst = max(worst, (hf - torch.tensor(logprobs)).abs().max().item())
-    return worst
+    response, with pixel values and grids of the shared processor (check_sync's comparison)."""
+    from dapo_megatron.models import ModelSpec
+    from dapo_megatron.tools.check_sync import hf_model, image_inputs, max_logprob_diff
+    return max_logprob_diff(groups, hf_model(path, ModelSpec.from_pretrained(path)), image_inputs(processor, prompts))
 
 
 def test_logprobs_equal_hf_on_expanded_ids(vl):
@@ -170,6 +157,39 @@ def test_push_new_weights_vision_tower_included(vl, tmp_path):
         engine.update_weights([a])
     again = engine.generate(vl["prompts"], sampling)
     assert [g.responses for g in again] == [g.responses for g in vl["groups"]]
+
+
+def check_checksums_name_every_tensor(engine, path: str) -> None:
+    """Engine.checksums() names every tensor the weight sync sends (text under
+    `model.language_model.`, per-expert experts, `model.visual.*`) with the sender's checksum; a push
+    with one vision tower tensor and one expert altered shows exactly those two as mismatches.
+    The engine is left holding `path`'s weights."""
+    from safetensors.torch import load_file
+    from dapo_megatron.models import ModelSpec
+    from dapo_megatron.weights import HFCheckpoint, name_map
+    from dapo_megatron.weights.checksum import checksum_mismatches, state_dict_checksums
+    from dapo_megatron.weights.load import UnstackedExperts
+    spec = ModelSpec.from_pretrained(path)
+    ckpt = UnstackedExperts(HFCheckpoint(path), spec)
+    sent = {name: ckpt.read(name) for name in name_map.expected_hf_shapes(spec, files=False)}  # the sync's names
+    assert sum(name.startswith("model.visual.") for name in sent) > 10
+    expected = state_dict_checksums(sent.items())
+    assert checksum_mismatches(expected, engine.checksums()) == []
+    corrupt = ("model.visual.blocks.0.attn.qkv.weight", "model.language_model.layers.1.mlp.experts.2.down_proj.weight")
+    pushed = dict(sent)
+    for name in corrupt:
+        pushed[name] = sent[name].clone()
+        pushed[name][1, 2] += 1e-3
+    try:
+        engine.update_weights([sorted(pushed.items())])
+        assert checksum_mismatches(expected, engine.checksums()) == sorted(corrupt)
+    finally:
+        engine.update_weights([sorted(load_file(f"{path}/model.safetensors").items())])
+    assert checksum_mismatches(expected, engine.checksums()) == []
+
+
+def test_checksums_cover_every_tensor_vision_tower_included(vl):
+    check_checksums_name_every_tensor(vl["engine"], vl["path"])
 
 
 def test_refuses_more_images_than_configured(vl):

@@ -11,9 +11,8 @@ from dapo_megatron.assets.models import TINY_VL_MOE
 
 
 @pytest.fixture(scope="module")
-def vl_dir(tmp_path_factory):
-    from dapo_megatron.assets.vl import build_vl_assets
-    return build_vl_assets(tmp_path_factory.mktemp("vl") / "qwen3_vl_moe", seed=0)
+def vl_dir(tiny_vl_model):
+    return tiny_vl_model
 
 
 def test_processor_loads_offline_with_the_vision_tokens(vl_dir):
