@@ -99,6 +99,21 @@ def random_batch(n_prompts: int, n: int, vocab: int, seed: int = 0):
     return batch
 
 
+def image_batch(engine, spec, n: int, seed: int = 0):
+    """A RolloutBatch a VL model trains on as the loop does: the engine's n responses to two
+    prompts with an image, with their pixels, and +-1 advantages (old log-probs to fill)."""
+    import ray
+
+    from dapo_megatron.batch import RolloutBatch
+    from dapo_megatron.rollout.types import Sampling
+    prompts = [p for p in sample_prompts(spec, 4, 6, seed=seed + 7) if p.images]
+    groups = ray.get(engine.generate.remote(prompts, Sampling(n=n, temperature=1.0, max_tokens=8, seed=seed)))
+    batch = RolloutBatch.from_samples([dict(prompts=g.prompt, responses=r, group=gid, prompt_index=gid, **g.image_row())
+                                       for gid, g in enumerate(groups) for r in g.responses])
+    batch.advantages = torch.tensor([(-1.0) ** i for i in range(len(batch))])  # [B]
+    return batch
+
+
 def sync_config(hf_dir: str, layout: dict, *, rollout_tp: int = 1, rollout_ep: int = 1, dtype: str = "fp32",
                 device: str = "auto", transport: str = "object_store"):
     """The quickstart config around `hf_dir` with the actor at `layout` ({tp, pp, ep, etp}) on
@@ -167,7 +182,8 @@ def check_sync(hf_dir: str, args) -> dict:
     try:
         train, engines = placement.train, placement.engines
         spec = ModelSpec.from_pretrained(hf_dir)
-        batch = random_batch(2, cfg.rollout.n, text_vocab(spec))
+        batch = (image_batch(engines[0], spec, cfg.rollout.n) if spec.image_token_id is not None
+                 else random_batch(2, cfg.rollout.n, text_vocab(spec)))
         batch.old_logprobs = train.compute_logprobs(ray.put(batch))[0]["logprobs"]
         train.update(ray.put(batch))
         t0 = time.perf_counter()
@@ -181,7 +197,7 @@ def check_sync(hf_dir: str, args) -> dict:
             change = {k: (before.read(k).float() - after.read(k).float()).abs().max().item() for k in after.keys()}
             out["weight_change"] = max(change.values())
             tower = tuple(name_map.VERBATIM.get(spec.model_type, {}).values())  # model.visual.
-            if tower:  # the random batch has no images: does the vision tower move at all?
+            if tower:  # the step trained on images: the tower moved, and must reach the engine
                 out["vision_weight_change"] = max(v for k, v in change.items() if k.startswith(tower))
             model = hf_model(tmp, spec)
             prompts = sample_prompts(spec, args.prompts, args.prompt_len)

@@ -34,16 +34,17 @@ def test_sync_from_sharded_actor_matches_hf(layout, tiny_assets, ray_session):
 
 
 def test_sync_vl_model_matches_hf_with_images(tiny_vl_model, ray_session):
-    """Qwen3-VL-MoE: the sync's checksums cover the vision tower and the per-expert tensors under
-    their HF names (a mismatch raises), and the engine's log-probs of responses to image prompts
-    equal HF's Qwen3-VL on the exported weights (pixel values from the same processor)."""
+    """Qwen3-VL-MoE: the step trains on the engine's responses to image prompts (the vision tower
+    moves), the sync's checksums cover the tower and the per-expert tensors under their HF names
+    (a mismatch raises), and the engine's log-probs of responses to image prompts equal HF's
+    Qwen3-VL on the exported weights (pixel values from the same processor)."""
     from dapo_megatron.tools.check_sync import DEFAULT_TOL, build_parser, check_sync
     hf_dir = str(tiny_vl_model)
     args = build_parser().parse_args(["--hf-dir", hf_dir, "--device", "cpu", "--ep", "2"])
     out = check_sync(hf_dir, args)
     print(f"qwen3_vl_moe check_sync (EP2): {out}")
     assert out["checksums"] == "compared" and out["image_prompts"] == 2
-    assert out["weight_change"] > 1e-4
+    assert out["weight_change"] > 1e-4 and out["vision_weight_change"] > 1e-4
     assert out["max_abs_logprob_diff"] < DEFAULT_TOL, out
 
 
