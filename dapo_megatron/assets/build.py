@@ -6,8 +6,9 @@ Layout of an asset dir:
     data/train.parquet, data/val.parquet    the addition task in the verl schema
     manifest.json         what was built, with which seed and versions, and the measured accuracy
 The tool task's bundle (assets/tools.py: tokenizer/, qwen2/, data/, manifest.json) is built on the
-first use of a tiny://tools/... path into a sibling dir, `<asset dir>-tools`, so neither build
-ever replaces the other.
+first use of a tiny://tools/... path into a sibling dir, `<asset dir>-tools`, and the vision-language
+bundle (assets/vl.py: qwen3_vl_moe/, geo3k/, manifest.json) on the first use of tiny://qwen3_vl_moe
+or tiny://geo3k/... into `<asset dir>-vl`, so no build ever replaces another.
 
 A build goes into a temp dir next to the target and is renamed into place at the end, under a
 file lock, so concurrent first uses (several Ray workers resolving tiny:// at once) build once
@@ -53,6 +54,7 @@ STOP_CHECK = dict(samples_per_pair=4, temperature=1.0, max_new_tokens=16)  # che
 MODEL_KINDS = ("qwen2", "qwen3_moe")
 MANIFEST = "manifest.json"
 TOOLS_DIR = "tools"  # tiny://tools/...: the tool task's bundle (tool_asset_dir())
+VL_NAMES = ("qwen3_vl_moe", "geo3k")  # tiny://qwen3_vl_moe, tiny://geo3k/...: the VL bundle (vl_asset_dir())
 
 
 def default_asset_dir() -> Path:
@@ -65,6 +67,12 @@ def tool_asset_dir() -> Path:
     """Where tiny://tools/... lives: beside the addition bundle."""
     root = default_asset_dir()
     return root.with_name(root.name + "-" + TOOLS_DIR)
+
+
+def vl_asset_dir() -> Path:
+    """Where tiny://qwen3_vl_moe and tiny://geo3k/... live: beside the addition bundle."""
+    root = default_asset_dir()
+    return root.with_name(root.name + "-vl")
 
 
 def read_manifest(asset_dir: str | os.PathLike) -> dict[str, Any] | None:
@@ -96,6 +104,21 @@ def build_tool_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, f
     return _atomic_build(Path(out_dir), want, build, force=force, log=log)
 
 
+def build_vl_task_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, warmup_steps: int | None = None,
+                         force: bool = False, log: Callable[[str], None] = print) -> Path:
+    """The VL bundle (assets/vl.py) into `out_dir`, atomically, like `build_assets`.
+    warmup_steps: the warm-up's step cap (default vl.WARMUP_STEPS; 0: the random-init model)."""
+    from dapo_megatron.assets import vl
+    steps = vl.WARMUP_STEPS if warmup_steps is None else warmup_steps
+    want = {"asset_version": vl.VL_VERSION, "seed": seed, "warmup_steps": steps,
+            "target_accuracy": vl.TARGET_ACCURACY}
+
+    def build(tmp: Path) -> dict[str, Any]:
+        with _quiet_progress_bars():
+            return vl.build_vl_bundle(tmp, seed=seed, warmup_steps=steps, log=log)
+    return _atomic_build(Path(out_dir), want, build, force=force, log=log)
+
+
 def _atomic_build(out: Path, want: dict[str, Any], build: Callable[[Path], dict[str, Any]], *, force: bool,
                   log: Callable[[str], None]) -> Path:
     """Build into a temp dir beside `out` under a file lock and rename it into place; a dir whose
@@ -124,8 +147,10 @@ def _atomic_build(out: Path, want: dict[str, Any], build: Callable[[Path], dict[
 def resolve_asset_path(path: str) -> str:
     """`tiny://NAME` -> a path under default_asset_dir(), building the assets on first use.
 
-    Examples: tiny://qwen3_moe, tiny://tokenizer, tiny://data/train.parquet. Any other path is
-    returned unchanged, so callers can pass every configured path through this function.
+    Examples: tiny://qwen3_moe, tiny://tokenizer, tiny://data/train.parquet; tiny://tools/... and
+    tiny://qwen3_vl_moe, tiny://geo3k/{train,val}.parquet live in their own bundles, built on their
+    own first use. Any other path is returned unchanged, so callers can pass every configured path
+    through this function.
     """
     if not path.startswith(TINY_SCHEME):
         return path
@@ -134,10 +159,13 @@ def resolve_asset_path(path: str) -> str:
     if name.split("/")[0] == TOOLS_DIR:  # the tool task's bundle, built apart on its own first use
         root, name = tool_asset_dir(), name[len(TOOLS_DIR) + 1:]
         build = lambda: build_tool_assets(root, log=lambda _msg: None)  # noqa: E731
+    elif name.split("/")[0] in VL_NAMES:  # the VL bundle: its names are its own dirs
+        root = vl_asset_dir()
+        build = lambda: build_vl_task_assets(root, log=lambda _msg: None)  # noqa: E731
     else:
         build = lambda: build_assets(root, log=lambda _msg: None)  # noqa: E731
     if read_manifest(root) is None:
-        print(f"dapo-megatron: {path} is used for the first time: building the tiny assets in {root} (1-2 "
+        print(f"dapo-megatron: {path} is used for the first time: building the tiny assets in {root} (1-3 "
               f"minutes on 2 CPU cores, once; set ${ASSETS_ENV} to put them elsewhere)", file=sys.stderr, flush=True)
         start = time.perf_counter()
         build()

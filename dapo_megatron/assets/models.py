@@ -107,26 +107,40 @@ TINY_VL_MOE: dict[str, Any] = dict(
 
 
 # Fused-expert tensors as official Qwen3-VL-MoE checkpoints lay them out (vLLM's loader expects
-# it: `is_fused_checkpoint_transposed`); transformers 5.19 keeps them transposed in memory and its
-# save_pretrained writes that layout. transformers reads either.
+# it: `is_fused_checkpoint_transposed`): gate_up_proj [E, H, 2I], down_proj [E, I, H].
+# transformers 5.19 keeps them transposed in memory ([E, 2I, H] / [E, H, I]) and its save_pretrained
+# may write that layout; transformers reads either.
 _OFFICIAL_TRANSPOSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 def build_tiny_vl_model(out_dir: str, *, seed: int = 0) -> str:
-    """A random-init tiny Qwen3-VL-MoE (TINY_VL_MOE) saved as an official checkpoint is laid out:
-    fused experts `experts.gate_up_proj` [E, H, 2I] and `experts.down_proj` [E, I, H] (not
-    transformers 5.19's in-memory [E, 2I, H] / [E, H, I]), and `norm_topk_prob` in text_config
-    (vLLM reads it; transformers' config has no such key, its router always renormalises)."""
-    import json
-    from safetensors.torch import load_file, save_file
+    """A random-init tiny Qwen3-VL-MoE (TINY_VL_MOE) saved by `save_vl_model`."""
     from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
     torch.manual_seed(seed)
-    model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**TINY_VL_MOE)).float()
+    return save_vl_model(Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**TINY_VL_MOE)).float(), out_dir)
+
+
+def save_vl_model(model, out_dir: str) -> str:
+    """Save a Qwen3-VL-MoE as an official checkpoint is laid out: fused experts in the layout
+    above, whichever one save_pretrained wrote (told apart by shape: H differs from I and 2I), and
+    `norm_topk_prob` in text_config (vLLM reads it; transformers' config has no such key, its
+    router always renormalises)."""
+    import json
+    from safetensors.torch import load_file, save_file
+    text = model.config.text_config
+    hidden, inter = text.hidden_size, text.moe_intermediate_size
+    if hidden in (inter, 2 * inter):
+        raise ValueError(f"hidden_size {hidden} must differ from the expert FFN {inter} and twice it, or the "
+                         f"saved expert layout cannot be checked")
+    official_dim1 = {"mlp.experts.gate_up_proj": hidden, "mlp.experts.down_proj": inter}
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     weights = os.path.join(out_dir, "model.safetensors")
-    state = {name: t.transpose(1, 2).contiguous() if name.endswith(_OFFICIAL_TRANSPOSED) else t
-             for name, t in load_file(weights).items()}
+    state = {}
+    for name, t in load_file(weights).items():
+        suffix = next((s for s in _OFFICIAL_TRANSPOSED if name.endswith(s)), None)
+        flip = suffix is not None and t.shape[1] != official_dim1[suffix]
+        state[name] = t.transpose(1, 2).contiguous() if flip else t
     save_file(state, weights, metadata={"format": "pt"})
     config_path = os.path.join(out_dir, "config.json")
     with open(config_path) as f:

@@ -187,11 +187,13 @@ def make_row(scene: Scene, png: bytes, split: str, index: int) -> dict[str, Any]
     }
 
 
-def make_rows(n: int, seed: int, split: str) -> list[dict[str, Any]]:
+def make_rows(n: int, seed: int, split: str, size: int = SIZE) -> list[dict[str, Any]]:
+    """Rows 0..n-1 of `split`, figures `size` pixels square (160 is the smallest that keeps the
+    labels of a 3-piece segment apart at FONT_SIZE)."""
     rows = []
     for i in range(n):
-        scene = make_scene(seed, split, i)
-        rows.append(make_row(scene, png_bytes(render(scene)), split, i))
+        scene = make_scene(seed, split, i, size)
+        rows.append(make_row(scene, png_bytes(render(scene, size)), split, i))
     return rows
 
 
