@@ -19,7 +19,7 @@ import torch
 from PIL import Image
 
 from dapo_megatron.assets.warmup import IGNORE_INDEX
-from dapo_megatron.data.images import row_images
+from dapo_megatron.data.images import load_images, split_image_placeholders
 from dapo_megatron.reward.geo3k import format_ok
 from dapo_megatron.reward.math_score import extract_boxed, math_verify_equal, prescreen
 
@@ -45,7 +45,8 @@ def make_examples(processor, rows: list[dict[str, Any]]) -> list[Example]:
     """geo3k rows (one image each) -> Examples, tokenized by the bundle's processor."""
     tokenizer, out = processor.tokenizer, []
     for row in rows:
-        chat, images = row_images(row, list(row["prompt"]), base_dir=".")
+        chat = split_image_placeholders(list(row["prompt"]), len(row["images"]))
+        images = load_images(row["images"], base_dir=".")
         text = processor.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
         ids = processor(text=[text], images=list(images))["input_ids"][0]
         answer, kind = row["reward_model"]["ground_truth"], row["extra_info"]["kind"]

@@ -107,14 +107,14 @@ class _VisionLanguage:
         hidden, context = output
         return hidden + self._deepstack[index], context
 
-    def _embed(self, input_ids, pixel_values, image_grid_thw):
+    def _embed(self, input_ids, pixel_values, image_grid_thw, image_mask):
         """Decoder input [S(/TP), B, H] and the deepstack additions (None without images)."""
         embeds = self.embedding(input_ids=input_ids, position_ids=None)  # [S, B, H], not scattered
         deepstack = None
         if pixel_values is not None:
             dtype = next(self.visual.parameters()).dtype
             out = self.visual(pixel_values.to(dtype), grid_thw=image_grid_thw, return_dict=True)
-            mask = (input_ids == self.image_token_id)[..., None]  # [B, S, 1]
+            mask = (input_ids == self.image_token_id if image_mask is None else image_mask)[..., None]  # [B, S, 1]
             if int(mask.sum()) != out.pooler_output.shape[0]:
                 raise ValueError(f"{int(mask.sum())} image tokens (id {self.image_token_id}) in the micro-batch, "
                                  f"but its image_grid_thw gives {out.pooler_output.shape[0]} image embeddings")
@@ -130,11 +130,12 @@ class _VisionLanguage:
         return embeds.contiguous(), deepstack
 
     def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, *, pixel_values=None,
-                image_grid_thw=None, **kwargs):
+                image_grid_thw=None, image_mask=None, **kwargs):
         """input_ids [B, S], position_ids [3, B, S] (`vl_inputs`), pixel_values [N_patches, C*T*P*P]
-        and image_grid_thw [N_images, 3] of the images in the micro-batch, in order (or None)."""
+        and image_grid_thw [N_images, 3] of the images in the micro-batch, in order (or None);
+        image_mask [B, S]: the positions the images fill (None: every image_token_id)."""
         if self.pre_process and decoder_input is None:
-            decoder_input, self._deepstack = self._embed(input_ids, pixel_values, image_grid_thw)
+            decoder_input, self._deepstack = self._embed(input_ids, pixel_values, image_grid_thw, image_mask)
         try:
             return super().forward(input_ids, position_ids, attention_mask, decoder_input=decoder_input, **kwargs)
         finally:
@@ -167,16 +168,18 @@ def build_vl_chunks(spec, arch, tf_config, *, use_te: bool) -> list:
                                 position_embedding_type="mrope", scatter_embedding_sequence_parallel=False)
 
 
-def mrope_position_ids(tokens: torch.Tensor, image_grid_thw, spec) -> torch.Tensor:
-    """Positions [3, B, S] of token ids [B, S] with images of `image_grid_thw` [N, 3], by HF's
-    `get_rope_index` (the positions vLLM uses too): text runs on from the last image position,
-    so a response continues as text. Right padding continues as text too (masked by the loss)."""
+def mrope_position_ids(tokens: torch.Tensor, image_grid_thw, spec, image_mask=None) -> torch.Tensor:
+    """Positions [3, B, S] of token ids [B, S] with images of `image_grid_thw` [N, 3] at
+    `image_mask` [B, S] (None: every image_token_id), by HF's `get_rope_index` (the positions vLLM
+    uses too): text runs on from the last image position, so a response continues as text. Right
+    padding continues as text too (masked by the loss)."""
     from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeModel
     merge = spec.vision_config["spatial_merge_size"]
     # get_rope_index is a method; it reads only the merge size and get_vision_position_ids (static).
     model = SimpleNamespace(config=SimpleNamespace(vision_config=SimpleNamespace(spatial_merge_size=merge)),
                             get_vision_position_ids=partial(Qwen3VLMoeModel.get_vision_position_ids, None))
-    mm_token_type_ids = (tokens == spec.image_token_id).int()  # transformers 5.x: 1 = image, 0 = text
+    image_mask = tokens == spec.image_token_id if image_mask is None else image_mask
+    mm_token_type_ids = image_mask.int()  # transformers 5.x: 1 = image, 0 = text
     positions, _ = Qwen3VLMoeModel.get_rope_index(model, tokens, mm_token_type_ids, image_grid_thw=image_grid_thw)
     return positions
 
@@ -184,9 +187,16 @@ def mrope_position_ids(tokens: torch.Tensor, image_grid_thw, spec) -> torch.Tens
 def vl_inputs(micro, device, spec) -> dict:
     """Qwen3VLModel inputs of a micro-batch with `.tokens` [B, S] and, when it has images,
     `.pixel_values` [N_patches, C*T*P*P] and `.image_grid_thw` [N_images, 3] (images in order of
-    their image tokens, row by row)."""
+    their image tokens, row by row). Only prompt positions (`.prompt_lens`, when the micro-batch
+    has them) hold images: a response that samples the image token id has a text token there, as
+    in the engine, which embeds and positions generated tokens as text."""
     tokens = micro.tokens.to(device)
     pixels, grids = getattr(micro, "pixel_values", None), getattr(micro, "image_grid_thw", None)
     grids = None if grids is None else grids.to(device)
-    return dict(input_ids=tokens, position_ids=mrope_position_ids(tokens, grids, spec), attention_mask=None,
-                pixel_values=None if pixels is None else pixels.to(device), image_grid_thw=grids)
+    image_mask = tokens == spec.image_token_id  # [B, S]
+    prompt_lens = getattr(micro, "prompt_lens", None)
+    if prompt_lens is not None:
+        image_mask &= torch.arange(tokens.shape[1], device=device)[None] < prompt_lens.to(device)[:, None]
+    return dict(input_ids=tokens, position_ids=mrope_position_ids(tokens, grids, spec, image_mask),
+                attention_mask=None, pixel_values=None if pixels is None else pixels.to(device),
+                image_grid_thw=grids, image_mask=image_mask)

@@ -105,7 +105,7 @@ def test_data_parses_with_the_dataset_at_the_manifests_lengths(cold, processor):
         assert len(ds) == rows and ds.stats["bad_rows"] == 0
         for item in ds:
             (image,) = item.prompt.images
-            assert image.size == (vl.IMAGE_SIZE, vl.IMAGE_SIZE) and item.data_source == "hiyouga/geometry3k"
+            assert (image.width, image.height) == (vl.IMAGE_SIZE, vl.IMAGE_SIZE) and item.data_source == "hiyouga/geometry3k"
             kinds[item.extra_info["kind"]] += split == "train"
     assert set(kinds) == set(geo3k_synth.SCENES) and min(kinds.values()) >= vl.N_TRAIN // 3
 

@@ -50,3 +50,17 @@ def test_positions_text_only_and_text_after_an_image():
     assert pos.shape == (3, 1, 13)
     assert pos[:, 0, 3:9].tolist() == [[3] * 6, [3, 3, 3, 4, 4, 4], [3, 4, 5, 3, 4, 5]]  # T, H, W of the grid
     assert pos[:, 0, 9:].tolist() == [[6, 7, 8, 9]] * 3  # text resumes after the image's largest position
+
+
+def test_an_image_token_sampled_in_the_response_is_text():
+    """A response may sample the image token id: the engine embeds and positions it as text, so
+    must the trainer (only prompt positions, `prompt_lens`, hold images). HF's get_rope_index
+    would look for a grid it does not have."""
+    spec = _spec()
+    prompt = [1, 2, 3] + [IMAGE] * 6 + [4]
+    micro = lambda response: SimpleNamespace(  # noqa: E731
+        tokens=torch.tensor([prompt + response]), prompt_lens=torch.tensor([len(prompt)]),
+        pixel_values=torch.zeros(24, 384), image_grid_thw=torch.tensor([[1, 4, 6]]))
+    sampled, text = vl_inputs(micro([5, IMAGE, 6]), "cpu", spec), vl_inputs(micro([5, 7, 6]), "cpu", spec)
+    assert torch.equal(sampled["position_ids"], text["position_ids"])
+    assert sampled["image_mask"][0].tolist() == [False] * 3 + [True] * 6 + [False] * 4
