@@ -31,7 +31,12 @@ def check_model(cfg, hf: dict) -> None:
     check(cfg, ModelSpec.from_hf(hf))
 
 
-SHIPPED_MODELS = {"dapo": QWEN3_30B, "quickstart": TINY_MOE, "qwen3_30b_a3b_megatron_gpu": QWEN3_30B,
+def _tiny_vl() -> dict:
+    from dapo_megatron.assets.models import TINY_VL_MOE
+    return dict(model_type="qwen3_vl_moe", **TINY_VL_MOE)
+
+
+SHIPPED_MODELS = {"dapo": QWEN3_30B, "quickstart": TINY_MOE, "quickstart_vl": _tiny_vl(), "qwen3_30b_a3b_megatron_gpu": QWEN3_30B,
                   "qwen3_30b_a3b_megatron_npu": QWEN3_30B, "qwen3_vl_30b_a3b_megatron_gpu": QWEN3_VL_30B,
                   "qwen3_vl_30b_a3b_megatron_npu": QWEN3_VL_30B}
 
