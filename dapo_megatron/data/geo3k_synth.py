@@ -3,7 +3,7 @@
 verl's preprocessed Geometry3k (3,002 problems) cannot be downloaded here. This writes rows in
 its columns (`make_row`) for three kinds of problem, one kind after another by row index:
 
-    count     circles, squares and triangles in four colours: "How many red triangles are in the figure?"
+    count     1-6 circles, squares and triangles in four colours: "How many shapes are in the figure?"
     angle     a triangle with two of its angles labelled in degrees in the picture: find the third, x
     segments  a segment AB cut into 2-3 pieces with their lengths labelled: find the length of AB
 
@@ -36,7 +36,7 @@ INSTRUCTION = ("You FIRST think about the reasoning process as an internal monol
 SIZE = 224
 COLOURS = {"red": (220, 40, 40), "green": (40, 160, 60), "blue": (40, 80, 220), "yellow": (230, 190, 30)}
 SHAPE_KINDS = ("circle", "square", "triangle")
-GRID = 4  # count figures put one shape per cell of a GRID x GRID layout: shapes never overlap
+GRID = 3  # count figures put one shape per cell of a GRID x GRID layout: shapes never overlap
 FONT_SIZE = 16
 MARGIN = 36  # keeps a label drawn outside a vertex or below a segment inside the picture
 
@@ -66,24 +66,21 @@ class Scene:
     lines: tuple[tuple[Point, Point], ...] = ()  # black strokes
     labels: tuple[Label, ...] = ()
     given: tuple[int, ...] = ()  # the numbers written in the picture (angles, lengths)
-    target: tuple[str, str] = ("", "")  # count figures: the (colour, kind) asked about
 
 
 def count_scene(rng: random.Random, size: int) -> Scene:
-    """1-5 shapes of the asked (colour, kind) among 2-6 of other looks, one per grid cell."""
-    colour, kind = rng.choice(list(COLOURS)), rng.choice(SHAPE_KINDS)
-    others = [(c, k) for c in COLOURS for k in SHAPE_KINDS if (c, k) != (colour, kind)]
-    n_target = rng.randint(1, 5)
-    looks = [(colour, kind)] * n_target + [rng.choice(others) for _ in range(rng.randint(2, 6))]
+    """1-6 shapes of random colours and kinds, one per grid cell, all of one size: the tiny VL
+    tower learns to count them (its covered area) in a CPU warm-up of minutes, which it does not
+    for the shapes of one colour and kind among others (measured: chance level after 300 steps)."""
+    looks = [(rng.choice(list(COLOURS)), rng.choice(SHAPE_KINDS)) for _ in range(rng.randint(1, 6))]
     cells = rng.sample(range(GRID * GRID), len(looks))
     shapes = tuple(Shape(k, c, _box_in_cell(rng, cell, size // GRID)) for (c, k), cell in zip(looks, cells))
-    return Scene("count", f"How many {colour} {kind}s are in the figure?", n_target, shapes=shapes,
-                 target=(colour, kind))
+    return Scene("count", "How many shapes are in the figure?", len(shapes), shapes=shapes)
 
 
 def _box_in_cell(rng: random.Random, cell: int, cell_px: int) -> tuple[int, int, int, int]:
     row, col = divmod(cell, GRID)
-    side = rng.randint(cell_px // 2, cell_px * 4 // 5)
+    side = cell_px * 4 // 5
     x0 = col * cell_px + rng.randint(2, cell_px - side - 2)
     y0 = row * cell_px + rng.randint(2, cell_px - side - 2)
     return x0, y0, x0 + side, y0 + side

@@ -65,10 +65,8 @@ def test_answers_vary_and_the_text_does_not_give_them():
 
 def test_count_answers_match_the_shapes_drawn():
     for scene in of_kind("count"):
-        colour, kind = scene.target
-        assert scene.question == f"How many {colour} {kind}s are in the figure?"
-        assert scene.answer == sum((s.colour, s.kind) == (colour, kind) for s in scene.shapes) >= 1
-        assert len(scene.shapes) > scene.answer  # there are others to tell apart
+        assert scene.question == "How many shapes are in the figure?"
+        assert scene.answer == len(scene.shapes) and 1 <= scene.answer <= g.GRID ** 2
         image = g.render(scene)
         for s in scene.shapes:  # each shape is where the description says, in its colour
             x0, y0, x1, y1 = s.box
