@@ -17,6 +17,17 @@ TEST_ASSETS_WARMUP_STEPS = 0
 TEST_ASSETS_SEED = 0
 
 
+@pytest.fixture
+def one_thread():
+    """Torch on one thread for the test: training steps on a busy 2-core machine ran 50x slower
+    with 2 threads (spinning OpenMP)."""
+    import torch
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_assets(tmp_path_factory) -> Path:
     """An asset dir (tokenizer/, qwen2/, qwen3_moe/, data/{train,val}.parquet, manifest.json).

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 from PIL import Image
 
-from dapo_megatron.assets.warmup import IGNORE_INDEX
+from dapo_megatron.assets.warmup import IGNORE_INDEX, train_steps
 from dapo_megatron.data.images import load_images, split_image_placeholders
 from dapo_megatron.reward.geo3k import format_ok
 from dapo_megatron.reward.math_score import extract_boxed, math_verify_equal, prescreen
@@ -82,22 +82,10 @@ def model_inputs(processor, examples: list[Example], *, train: bool) -> dict[str
 def vl_warmup(model, processor, examples: list[Example], *, steps: int, batch_size: int, lr: float, seed: int,
               stop: Callable[[], bool] | None = None, check_every: int = 10) -> list[float]:
     """Up to `steps` AdamW steps on random batches of `examples`, asking `stop` every `check_every`
-    steps; returns the loss of each step taken."""
-    generator = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    losses = []
-    for step in range(1, steps + 1):
-        model.train()
-        idx = torch.randint(len(examples), (batch_size,), generator=generator).tolist()
-        loss = model(**model_inputs(processor, [examples[i] for i in idx], train=True)).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-        if stop is not None and step % check_every == 0 and stop():
-            break
-    model.eval()
-    return losses
+    steps; returns the loss of each step taken (the text warm-up's loop, `warmup.train_steps`)."""
+    return train_steps(model, len(examples),
+                       lambda idx: model_inputs(processor, [examples[i] for i in idx.tolist()], train=True),
+                       steps=steps, batch_size=batch_size, lr=lr, seed=seed, stop=stop, check_every=check_every)
 
 
 def is_correct(response: str, ground_truth: str) -> bool:

@@ -56,13 +56,21 @@ def supervised_warmup(model, tokenizer, pairs: list[Pair], *, steps: int, batch_
     steps reach a given accuracy varies a lot with the seed (the curve has a sharp knee).
     """
     input_ids, labels = batch if batch is not None else supervised_batch(tokenizer, pairs)
+    return train_steps(model, len(pairs), lambda idx: dict(input_ids=input_ids[idx], labels=labels[idx]),
+                       steps=steps, batch_size=batch_size, lr=lr, seed=seed, stop=stop, check_every=check_every)
+
+
+def train_steps(model, n: int, inputs: Callable[[torch.Tensor], dict], *, steps: int, batch_size: int, lr: float,
+                seed: int, stop: Callable[[], bool] | None = None, check_every: int = 10) -> list[float]:
+    """The warm-ups' loop: up to `steps` AdamW steps, each on `inputs(idx)` (the HF model's kwargs,
+    labels included) of `batch_size` random example indices out of `n`; `stop` asked every
+    `check_every` steps. Returns the loss of each step taken."""
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
     for step in range(1, steps + 1):
         model.train()
-        idx = torch.randint(len(pairs), (batch_size,), generator=generator)
-        loss = model(input_ids=input_ids[idx], labels=labels[idx]).loss
+        loss = model(**inputs(torch.randint(n, (batch_size,), generator=generator))).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

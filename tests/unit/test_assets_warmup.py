@@ -12,13 +12,7 @@ from dapo_megatron.data import synthetic
 PAIRS = synthetic.addition_pairs()[:16]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Training steps on a busy 2-core machine ran 50x slower with 2 threads (spinning OpenMP)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
