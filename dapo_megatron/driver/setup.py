@@ -243,3 +243,6 @@ def shutdown(run) -> None:
     for e in run.ctx.engines:
         ray.get(e.shutdown.remote())
     dataplane.stop()
+    # Free the run's devices (its actors with them): a later run in the same process (a notebook,
+    # a test session) finds Ray still up and would wait forever for a placement group of its own.
+    ray.util.remove_placement_group(run.ctx.placement.pg)

@@ -22,7 +22,11 @@ def test_tools_quickstart_two_steps_early_stop(tool_assets, tmp_path):
         "algorithm.filter_groups.mode": "early_stop", "trainer.total_training_steps": 2, "trainer.save_freq": 2,
         "trainer.test_freq": 2, "trainer.val_before_train": "false", "trainer.default_local_dir": str(out),
         "trainer.logger": "[console,jsonl]"}
-    assert main(["--config-name", "quickstart_tools", *[f"{k}={v}" for k, v in overrides.items()]]) == 0
+    import ray
+    try:
+        assert main(["--config-name", "quickstart_tools", *[f"{k}={v}" for k, v in overrides.items()]]) == 0
+    finally:
+        ray.shutdown()
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = [r for r in rows if "rollout/turns_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
