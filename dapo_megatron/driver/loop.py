@@ -31,9 +31,16 @@ MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group b
 KILL_AT = "DAPO_KILL_AT"
 
 
-def _kill_during(phase: str, step: int, delay_s: float = 0.3) -> None:
-    if os.environ.get(KILL_AT) == f"{phase}:{step}":
+@contextlib.contextmanager
+def _kill_during(phase: str, step: int, delay_s: float = 0.3):
+    """Around a phase: the SIGKILL comes `delay_s` into it, or at its end when the phase is faster
+    (a quiet machine updated the tiny test model in less than 0.3 s and logged the step first)."""
+    armed = os.environ.get(KILL_AT) == f"{phase}:{step}"
+    if armed:
         threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    yield
+    if armed:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 @dataclass
@@ -75,8 +82,7 @@ def train_step(run: Run) -> dict:
     run.collections += 1
     store = Store(f"step{run.step + 1}-{run.collections}", ctx.plane)
     try:
-        _kill_during("collect", run.step + 1)
-        with run.timed("gen"):
+        with _kill_during("collect", run.step + 1), run.timed("gen"):
             collected = setup.as_role("rollout engine", generate, run, store)
         if not collected.groups:
             return {}
@@ -91,8 +97,7 @@ def train_step(run: Run) -> dict:
             with run.timed("ref"):
                 written, _ = ctx.train.step_logprobs(step, "ref")
             step.fields += tuple(written)
-        _kill_during("update", run.step + 1)
-        with run.timed("update"):
+        with _kill_during("update", run.step + 1), run.timed("update"):
             metrics = ctx.train.step_update(step)
     finally:
         store.clear()
