@@ -45,17 +45,11 @@ def hf_logprobs(hf_model, prompt: list[int], response: list[int], pixels: Option
 
 def max_logprob_diff(groups, hf_model, pixels: Optional[list] = None) -> float:
     """Max |engine log-prob - HF log-prob| over every sampled token of `groups` (RolloutGroups);
-    `pixels`: per group, its prompt's image inputs or None (`image_inputs`)."""
+    `pixels`: per group, its prompt's image inputs (`pixel_values`, `image_grid_thw`) or None."""
     pixels = pixels or [None] * len(groups)
     return max((float((hf_logprobs(hf_model, g.prompt, r, px) - torch.tensor(lp)).abs().max())
                 for g, px in zip(groups, pixels) for r, lp in zip(g.responses, g.rollout_logprobs) if r),
                default=0.0)
-
-
-def image_inputs(processor, prompts) -> list[Optional[dict]]:
-    """Per prompt: HF's `pixel_values` / `image_grid_thw` of its images (None without images)."""
-    return [dict(processor.image_processor(images=list(p.images), return_tensors="pt")) if p.images else None
-            for p in prompts]
 
 
 def sample_prompts(spec, n: int, first_len: int, seed: int = 1) -> list:
@@ -168,7 +162,6 @@ def check_sync(hf_dir: str, args) -> dict:
     import ray
 
     from dapo_megatron.convert import _copy_aux
-    from dapo_megatron.device.vision import load_processor
     from dapo_megatron.driver import setup
     from dapo_megatron.models import ModelSpec
     from dapo_megatron.rollout.types import Sampling
@@ -203,7 +196,7 @@ def check_sync(hf_dir: str, args) -> dict:
             prompts = sample_prompts(spec, args.prompts, args.prompt_len)
             sampling = Sampling(n=2, temperature=1.0, max_tokens=RESPONSE_TOKENS, seed=0)
             groups = ray.get(engines[0].generate.remote(prompts, sampling))
-            pixels = image_inputs(load_processor(hf_dir), prompts) if spec.image_token_id is not None else None
+            pixels = [g.image_row() for g in groups]  # the pixels the engine made and ran
             out["image_prompts"] = sum(bool(p.images) for p in prompts)
             out["max_abs_logprob_diff"] = max_logprob_diff(groups, model, pixels)
     finally:

@@ -88,8 +88,10 @@ def _max_diff_to_hf(path, processor, prompts, groups) -> float:
     """max |rollout_logprobs - HF| over all responses: HF on the engine's expanded prompt + the
     response, with pixel values and grids of the shared processor (check_sync's comparison)."""
     from dapo_megatron.models import ModelSpec
-    from dapo_megatron.tools.check_sync import hf_model, image_inputs, max_logprob_diff
-    return max_logprob_diff(groups, hf_model(path, ModelSpec.from_pretrained(path)), image_inputs(processor, prompts))
+    from dapo_megatron.tools.check_sync import hf_model, max_logprob_diff
+    pixels = [dict(processor.image_processor(images=list(p.images), return_tensors="pt")) if p.images else None
+              for p in prompts]  # the processor's own, apart from the engine's
+    return max_logprob_diff(groups, hf_model(path, ModelSpec.from_pretrained(path)), pixels)
 
 
 def test_logprobs_equal_hf_on_expanded_ids(vl):
