@@ -3,14 +3,15 @@
 verl's preprocessed Geometry3k (3,002 problems) cannot be downloaded here. This writes rows in
 its columns (`make_row`) for three kinds of problem, one kind after another by row index:
 
-    count     1-6 circles, squares and triangles in four colours: "How many shapes are in the figure?"
+    count     1-6 circles, squares or triangles (one kind a figure) in four colours: "How many
+              triangles are in the figure?"
     angle     a triangle with two of its angles labelled in degrees in the picture: find the third, x
     segments  a segment AB cut into 2-3 pieces with their lengths labelled: find the length of AB
 
 The text never states a number the answer depends on (counts, angles and lengths are only in the
 image), so a model that ignores the image can only guess. Everything is a function of the seed.
 
-    python -m dapo_megatron.data.geo3k_synth OUT_DIR [--train 2000] [--val 300] [--seed 0]
+    python -m dapo_megatron.data.geo3k_synth OUT_DIR [--train 2000] [--val 300] [--seed 0] [--kinds count]
 """
 from __future__ import annotations
 
@@ -69,13 +70,15 @@ class Scene:
 
 
 def count_scene(rng: random.Random, size: int) -> Scene:
-    """1-6 shapes of random colours and kinds, one per grid cell, all of one size: the tiny VL
-    tower learns to count them (its covered area) in a CPU warm-up of minutes, which it does not
-    for the shapes of one colour and kind among others (measured: chance level after 300 steps)."""
-    looks = [(rng.choice(list(COLOURS)), rng.choice(SHAPE_KINDS)) for _ in range(rng.randint(1, 6))]
-    cells = rng.sample(range(GRID * GRID), len(looks))
-    shapes = tuple(Shape(k, c, _box_in_cell(rng, cell, size // GRID)) for (c, k), cell in zip(looks, cells))
-    return Scene("count", "How many shapes are in the figure?", len(shapes), shapes=shapes)
+    """1-6 shapes of one kind (named in the question) in random colours, one per grid cell, all of
+    one size. Measured with the tiny VL tower (assets/vl.py): with the kinds mixed in a figure
+    ("How many shapes?") it reads the count slowly (a triangle covers half a square's pixels);
+    with one kind a figure, named, the count is the covered area over the kind's, which it learns."""
+    kind = rng.choice(SHAPE_KINDS)
+    colours = [rng.choice(list(COLOURS)) for _ in range(rng.randint(1, 6))]
+    cells = rng.sample(range(GRID * GRID), len(colours))
+    shapes = tuple(Shape(kind, c, _box_in_cell(rng, cell, size // GRID)) for c, cell in zip(colours, cells))
+    return Scene("count", f"How many {kind}s are in the figure?", len(shapes), shapes=shapes)
 
 
 def _box_in_cell(rng: random.Random, cell: int, cell_px: int) -> tuple[int, int, int, int]:
@@ -146,10 +149,13 @@ _DRAW_SHAPE: dict[str, Callable[[ImageDraw.ImageDraw, tuple, tuple], None]] = {
 }
 
 
-def make_scene(seed: int, split: str, index: int, size: int = SIZE) -> Scene:
-    """Row `index` of `split`: its kind from the index, its content from (seed, split, index)."""
+def make_scene(seed: int, split: str, index: int, size: int = SIZE, kinds: tuple[str, ...] = tuple(SCENES)) -> Scene:
+    """Row `index` of `split`: its kind from the index (`kinds` in turn), its content from
+    (seed, split, index)."""
+    unknown = sorted(set(kinds) - set(SCENES))
+    if not kinds or unknown:
+        raise ValueError(f"problem kinds {unknown or '()'}: choose among {sorted(SCENES)}")
     rng = random.Random(f"geo3k_synth:{seed}:{split}:{index}")  # str seeds hash the same in every process
-    kinds = list(SCENES)
     return SCENES[kinds[index % len(kinds)]](rng, size)
 
 
@@ -184,12 +190,13 @@ def make_row(scene: Scene, png: bytes, split: str, index: int) -> dict[str, Any]
     }
 
 
-def make_rows(n: int, seed: int, split: str, size: int = SIZE) -> list[dict[str, Any]]:
-    """Rows 0..n-1 of `split`, figures `size` pixels square (160 is the smallest that keeps the
-    labels of a 3-piece segment apart at FONT_SIZE)."""
+def make_rows(n: int, seed: int, split: str, size: int = SIZE, kinds: tuple[str, ...] = tuple(SCENES)
+              ) -> list[dict[str, Any]]:
+    """Rows 0..n-1 of `split` with problems of `kinds`, figures `size` pixels square (160 is the
+    smallest that keeps the labels of a 3-piece segment apart at FONT_SIZE)."""
     rows = []
     for i in range(n):
-        scene = make_scene(seed, split, i, size)
+        scene = make_scene(seed, split, i, size, kinds)
         rows.append(make_row(scene, png_bytes(render(scene, size)), split, i))
     return rows
 
@@ -205,13 +212,14 @@ SCHEMA = pa.schema([
 ])
 
 
-def write_geo3k(out_dir: str | Path, n_train: int, n_val: int, seed: int) -> tuple[Path, Path]:
+def write_geo3k(out_dir: str | Path, n_train: int, n_val: int, seed: int, kinds: tuple[str, ...] = tuple(SCENES)
+                ) -> tuple[Path, Path]:
     """Write OUT_DIR/train.parquet and OUT_DIR/test.parquet (verl's geo3k file names); returns both."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = out / "train.parquet", out / "test.parquet"
     for path, split, n in ((paths[0], "train", n_train), (paths[1], "test", n_val)):
-        pq.write_table(pa.Table.from_pylist(make_rows(n, seed, split), schema=SCHEMA), path)
+        pq.write_table(pa.Table.from_pylist(make_rows(n, seed, split, kinds=kinds), schema=SCHEMA), path)
     return paths
 
 
@@ -222,8 +230,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--train", type=int, default=2000, help="rows in train.parquet")
     parser.add_argument("--val", type=int, default=300, help="rows in test.parquet")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", default=",".join(SCENES), help="problem kinds, in turn by row (comma-separated)")
     args = parser.parse_args(argv)
-    for path in write_geo3k(args.out_dir, args.train, args.val, args.seed):
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if not kinds or set(kinds) - set(SCENES):
+        parser.error(f"--kinds {args.kinds!r}: choose among {','.join(SCENES)}")
+    for path in write_geo3k(args.out_dir, args.train, args.val, args.seed, kinds):
         print(path)
 
 

@@ -22,10 +22,10 @@ from dapo_megatron.data.dataset import PromptDataset
 from dapo_megatron.device.vision import image_token_counts, load_processor
 from dapo_megatron.reward.geo3k import format_ok
 
-# The warmed bundle's sampled accuracy (T=1) must clear this: the counting kind alone, guessed
-# from its 1-6 range, gives ~0.06 overall (seed 0 measures 0.049 train, 7 of 144 samples, and
-# 0.12 val); below it, DAPO groups are mostly all-wrong.
-ACCURACY_FLOOR = 0.04
+# The warmed bundle's sampled accuracy (T=1) must clear this: a count guessed from its 1-6 range
+# scores 1/6; the warm-up stops at vl.TARGET_ACCURACY on 96 train samples (seed 0 measures 0.33
+# train and 0.30 val on 144 samples each). Above the floor the model reads some of the picture.
+ACCURACY_FLOOR = 0.2
 FORMAT_FLOOR = 0.8
 
 
@@ -79,7 +79,8 @@ def test_manifest_cache_and_cli(cold, capsys):
     manifest = read_manifest(bundle)
     assert manifest["asset_version"] == vl.VL_VERSION and manifest["warmup_steps"] == 0
     assert manifest["image_size"] == vl.IMAGE_SIZE and manifest["build_seconds"] > 0
-    assert manifest["data"] == {"data_source": "hiyouga/geometry3k", "train_rows": vl.N_TRAIN, "val_rows": vl.N_VAL}
+    assert manifest["data"] == {"data_source": "hiyouga/geometry3k", "kinds": list(vl.KINDS), "train_rows": vl.N_TRAIN,
+                                "val_rows": vl.N_VAL}
     # The CLI finds the same build up to date; other settings are refused without --force.
     stamp = (bundle / "qwen3_vl_moe" / "model.safetensors").stat().st_mtime_ns
     assets_main(["build", "--bundle", "vl", "--out", str(bundle), "--warmup-steps", "0"])
@@ -103,7 +104,7 @@ def test_data_parses_with_the_dataset_at_the_manifests_lengths(cold, processor):
             (image,) = item.prompt.images
             assert (image.width, image.height) == (vl.IMAGE_SIZE, vl.IMAGE_SIZE) and item.data_source == "hiyouga/geometry3k"
             kinds[item.extra_info["kind"]] += split == "train"
-    assert set(kinds) == set(geo3k_synth.SCENES) and min(kinds.values()) >= vl.N_TRAIN // 3
+    assert set(kinds) == set(vl.KINDS) and min(kinds.values()) >= vl.N_TRAIN // len(vl.KINDS)
 
 
 def test_cold_model_dir_loads_with_the_official_expert_layout(cold):
@@ -169,7 +170,7 @@ def test_warm_bundle_built_on_first_use(tmp_path_factory):
         assert ACCURACY_FLOOR <= stats[split]["accuracy"] <= 0.8, stats  # signal, and headroom for RL
     model, processor = check_model_dir(root / "assets-vl" / vl.MODEL_DIR)
     train = make_examples(processor, geo3k_synth.make_rows(vl.EVAL["examples"], manifest["seed"], "train",
-                                                           vl.IMAGE_SIZE))
+                                                           vl.IMAGE_SIZE, vl.KINDS))
     again = sampled_accuracy(model, processor, train, samples_per_prompt=vl.EVAL["samples_per_prompt"],
                              temperature=1.0, max_new_tokens=vl.MAX_NEW_TOKENS, seed=manifest["seed"])
     assert again == stats["train"]

@@ -64,8 +64,11 @@ def test_answers_vary_and_the_text_does_not_give_them():
 
 
 def test_count_answers_match_the_shapes_drawn():
+    asked = set()
     for scene in of_kind("count"):
-        assert scene.question == "How many shapes are in the figure?"
+        (kind,) = {s.kind for s in scene.shapes}  # one kind a figure, the one the question names
+        assert scene.question == f"How many {kind}s are in the figure?"
+        asked.add(kind)
         assert scene.answer == len(scene.shapes) and 1 <= scene.answer <= g.GRID ** 2
         image = g.render(scene)
         for s in scene.shapes:  # each shape is where the description says, in its colour
@@ -74,6 +77,23 @@ def test_count_answers_match_the_shapes_drawn():
         boxes = [s.box for s in scene.shapes]
         assert all(a[2] < b[0] or b[2] < a[0] or a[3] < b[1] or b[3] < a[1]
                    for i, a in enumerate(boxes) for b in boxes[i + 1:])  # no overlaps
+    assert asked == set(g.SHAPE_KINDS)
+
+
+def test_kinds_choose_the_problems_and_an_unknown_kind_is_named(tmp_path, capsys):
+    rows = g.make_rows(5, seed=0, split="train", size=160, kinds=("count",))
+    assert [r["extra_info"]["kind"] for r in rows] == ["count"] * 5
+    # Row i of a count-only set is the same figure as row i of any other count-only set.
+    assert rows[3]["images"] == g.make_rows(4, seed=0, split="train", size=160, kinds=("count",))[3]["images"]
+    both = [g.make_scene(0, "val", i, kinds=("segments", "angle")).kind for i in range(4)]
+    assert both == ["segments", "angle", "segments", "angle"]
+    with pytest.raises(ValueError, match=r"\['circle'\].*choose among"):
+        g.make_scene(0, "train", 0, kinds=("count", "circle"))
+    with pytest.raises(SystemExit) as exit_info:
+        g.main([str(tmp_path / "out"), "--kinds", "count,angels"])
+    assert exit_info.value.code == 2 and "--kinds 'count,angels'" in capsys.readouterr().err
+    g.main([str(tmp_path / "out"), "--train", "3", "--val", "2", "--kinds", "angle"])
+    assert {r["extra_info"]["kind"] for r in pq.read_table(tmp_path / "out" / "train.parquet").to_pylist()} == {"angle"}
 
 
 def test_angle_answers_match_the_triangle_drawn():
