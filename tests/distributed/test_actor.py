@@ -113,8 +113,7 @@ def _assert_same_update(got: dict, want: dict, what: str):
         if key != "actor/tokens_per_s":
             assert abs(got["metrics"][0][key] - value) <= LAYOUT_TOL, f"{what}: {key}"
     assert _maxdiff(got["logprobs"], want["logprobs"]) <= LAYOUT_TOL, f"{what}: log-probs after the update"
-    for name, tensor in got["weights"].items():
-        assert _maxdiff(tensor, want["weights"][name]) <= LAYOUT_TOL, f"{what}: {name}"
+    actor_jobs.assert_same_weights(got, want, LAYOUT_TOL, what)
 
 
 @pytest.mark.parametrize("layout", [k for k, v in LAYOUTS.items() if v[3] and k != "tp1"])
