@@ -165,7 +165,7 @@ def resolve_asset_path(path: str) -> str:
     else:
         build = lambda: build_assets(root, log=lambda _msg: None)  # noqa: E731
     if read_manifest(root) is None:
-        print(f"dapo-megatron: {path} is used for the first time: building the tiny assets in {root} (1-3 "
+        print(f"dapo-megatron: {path} is used for the first time: building the tiny assets in {root} (1-4 "
               f"minutes on 2 CPU cores, once; set ${ASSETS_ENV} to put them elsewhere)", file=sys.stderr, flush=True)
         start = time.perf_counter()
         build()
