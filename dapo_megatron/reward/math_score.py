@@ -12,12 +12,17 @@ before any parsing, the inputs that make sympy blow up: see the `MAX_*` caps bel
 from __future__ import annotations
 
 import functools
+import logging
 import re
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 from math_verify import parse, verify
+
+# Its "timeout is disabled" warning (once per process, wherever this module scores: pool workers,
+# the VL bundle's warm-up on the console) says what the module doc decided on purpose.
+logging.getLogger("math_verify").setLevel(logging.ERROR)
 
 # The answer sits at the end of a response, and DAPO's own reward only looks at the last 300
 # characters; 4000 leaves room for a long boxed derivation while bounding every regex below

@@ -51,7 +51,6 @@ def _worker_main(conn) -> None:
     """Worker loop: receive (index, pred, ground_truth), send back (index, RewardResult)."""
     # Ctrl-C goes to the whole process group; shutdown is the parent's decision.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout disabled" is intended
     try:
         from dapo_megatron.reward.math_score import math_verify_equal, warm_up
         warm_up()

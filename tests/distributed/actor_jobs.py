@@ -104,9 +104,9 @@ def run_updates(hf_dir: str, parallel: dict, batch: RolloutBatch, over: dict, st
 
 def assert_same_weights(got: dict, want: dict, tol: float, what: str) -> None:
     """The weights `got` exports (a rank's share) agree with `want`'s to `tol`, except where
-    Adam's eps decides. Its step is lr * m / (sqrt(v) + 1e-8): lr * sign(g) on the first step where
-    |g| is well above 1e-8, but lr * g / 1e-8 where the gradient is that small, so fp noise of 1e-9
-    there moves the weight by ~lr / 10 between layouts (seen: 1.6e-5 on one lm_head element, TP2 vs
+    Adam's eps decides. Its first step is lr * g / (|g| + 1e-8): lr * sign(g) where |g| is well
+    above 1e-8, but a fraction of lr set by g itself where |g| is near 1e-8, so fp noise of 1e-9 in
+    such a gradient moves the weight by ~lr / 10 between layouts (seen: 1.6e-5 on one lm_head element, TP2 vs
     TP1, on a VL batch). Weights `want` moved by less than lr / 2 are held to lr instead. Both are
     `run_updates` results from the same weights."""
     lr = want["lr"]

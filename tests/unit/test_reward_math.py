@@ -1,6 +1,8 @@
 """In-process math reward: extraction, equivalences via math-verify, safety caps before parsing."""
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 
@@ -118,6 +120,16 @@ def test_score_works_off_the_main_thread():
     assert out["good"].score == 1.0
     assert [r.score for r in out["bad"]] == [-1.0] * len(ADVERSARIAL)
     assert out["elapsed"] < 5.0
+
+
+def test_scoring_in_a_fresh_process_prints_no_timeout_warning():
+    """Scoring in-process (the VL bundle's warm-up, on the console of a demo's first use) prints
+    nothing: math-verify's "Timeout is disabled" warning is for a choice this module made."""
+    code = ("from dapo_megatron.reward.math_score import score; "
+            "assert score('Answer: \\\\frac12', '0.5').score == 1.0")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "Timeout is disabled" not in run.stderr + run.stdout
 
 
 @settings(max_examples=60, deadline=None)
