@@ -1,9 +1,27 @@
 #!/usr/bin/env bash
-# The README's test command: set up .venv, then the whole suite (fast unit tests first, then the
-# multi-process Megatron tests, then end to end). Extra arguments go to pytest.
+# The README's test command: set up .venv, then the whole suite in two phases: tests/unit on two
+# pytest-xdist workers (one thread each: the single-process tests keep both cores busy), then the
+# multi-process Megatron tests and end to end (each already uses both cores) one at a time.
+#   --fast   the tier for working (~8 min): every file of tests/unit and tests/distributed without
+#            the tests marked slow, and the one end-to-end quickstart run (marker `quickstart`).
+#   other arguments go to pytest, which then runs once over the whole suite, serially.
+# Each phase prints its 15 slowest tests, so growth shows in every CI log.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
+fast=0
+if [ "${1:-}" = "--fast" ]; then fast=1; shift; fi
 bash launch/setup_env.sh
 export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-dirs=(); for d in tests/unit tests/distributed tests/e2e tests/gpu; do [ -d "$d" ] && dirs+=("$d"); done
-exec .venv/bin/python -m pytest "${dirs[@]}" -q "$@"
+pytest=(.venv/bin/python -m pytest -q --durations=15)
+rest=(); for d in tests/distributed tests/e2e tests/gpu; do [ -d "$d" ] && rest+=("$d"); done
+select=()
+if [ "$fast" = 1 ]; then
+  rest=(tests/distributed tests/e2e/test_driver.py)
+  select=(-m "(not slow and not e2e) or quickstart")
+elif [ $# -gt 0 ]; then
+  exec "${pytest[@]}" tests/unit "${rest[@]}" "$@"
+fi
+status=0
+OMP_NUM_THREADS=1 "${pytest[@]}" -n 2 tests/unit "${select[@]}" "$@" || status=$?
+"${pytest[@]}" "${rest[@]}" "${select[@]}" "$@" || status=$?
+exit "$status"

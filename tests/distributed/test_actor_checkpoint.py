@@ -7,11 +7,10 @@ message; weights resharded), whose last act is a save killed with os._exit after
 shards.
 """
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
+from test_convert import _convert
 
 from dapo_megatron.train.parallel import WorkerError, run_workers
 
@@ -80,9 +79,8 @@ def test_a_training_checkpoint_exports_to_hf(runs, tiny_hf_models, tmp_path):
     """mcore-to-hf on a step folder: the model's tensors are exported, the Adam state (keys
     `chained_<i>.optimizer.*`) is not mistaken for tensors the model has no place for."""
     hf, out = tiny_hf_models["moe"], tmp_path / "hf"
-    cmd = [sys.executable, "-W", "ignore", "-m", "dapo_megatron.convert", "mcore-to-hf", "--ckpt",
-           os.path.join(runs["root"], "step_2"), "--hf-config", hf, "--out", str(out), "--tp", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    proc = _convert("mcore-to-hf", "--ckpt", os.path.join(runs["root"], "step_2"), "--hf-config", hf, "--out", out,
+                    "--tp", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     from dapo_megatron.weights import HFCheckpoint
     before, after = HFCheckpoint(hf), HFCheckpoint(str(out))

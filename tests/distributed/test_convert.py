@@ -12,9 +12,27 @@ import torch
 pytestmark = pytest.mark.distributed
 
 
-def _convert(*args, timeout=300):
+def _convert_process(*args, timeout=300):
+    """The CLI as users run it, a process of its own (~10 s of interpreter and imports here)."""
     cmd = [sys.executable, "-W", "ignore", "-m", "dapo_megatron.convert", *map(str, args)]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def cli_here(main, *args) -> subprocess.CompletedProcess:
+    """A CLI's `main(argv)` in this process, its stdout / stderr captured: the ranks fork from
+    this session's warm forkserver instead of a new interpreter's. Worker tracebacks come back in
+    the error (`WorkerError.details`), so what the user sees is what main prints."""
+    import contextlib
+    import io
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
+def _convert(*args):
+    from dapo_megatron.convert import main
+    return cli_here(main, *args)
 
 
 def _error_line(proc) -> str:
@@ -43,7 +61,8 @@ def saved(tiny_hf_models, tmp_path_factory):
     out = {}
     for model, layout in (("moe", ["--tp", 2, "--ep", 2]), ("qwen2_tied", ["--pp", 2])):
         ckpt = tmp_path_factory.mktemp(model) / "mcore"
-        proc = _convert("hf-to-mcore", "--hf-dir", tiny_hf_models[model], "--out", ckpt, *layout)
+        convert = _convert_process if model == "moe" else _convert  # one real process start
+        proc = convert("hf-to-mcore", "--hf-dir", tiny_hf_models[model], "--out", ckpt, *layout)
         assert proc.returncode == 0, proc.stderr[-3000:]
         out[model] = ckpt
     return out
@@ -70,10 +89,8 @@ def test_round_trip_through_dist_checkpoint(tmp_path, tiny_hf_models, saved, mod
 
 def test_verify_tool_on_a_dist_checkpoint(tiny_hf_models, saved):
     """checkpoint_tools/verify.py: logits of a saved dist checkpoint (TP2xEP2), loaded at EP2."""
-    cmd = [sys.executable, "-W", "ignore", "checkpoint_tools/verify.py", "--hf-dir", tiny_hf_models["moe"],
-           "--ckpt", saved["moe"], "--ep", "2", "--tol", "1e-4"]
-    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=300,
-                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from checkpoint_tools.verify import main
+    proc = cli_here(main, "--hf-dir", tiny_hf_models["moe"], "--ckpt", saved["moe"], "--ep", "2", "--tol", "1e-4")
     assert proc.returncode == 0 and "OK: max |logits diff|" in proc.stdout, proc.stdout + proc.stderr[-2000:]
 
 

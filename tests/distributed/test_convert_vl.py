@@ -3,17 +3,14 @@ HF -> Megatron dist checkpoint -> HF at another layout is bit-exact, the experts
 official fused layout whichever layout came in; the saved checkpoint's logits equal HF
 transformers' with and without an image; a misshapen fused expert tensor is one clear line."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from test_convert import _assert_nothing_left, _convert, _error_line, _same_tensors
+from test_convert import _assert_nothing_left, _convert, _error_line, _same_tensors, cli_here
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOGITS_TOL = 1e-4  # fp32
 
 
@@ -85,10 +82,10 @@ def test_official_layout_in_and_out_at_tp2(vl_dirs, tmp_path):
 @pytest.mark.parametrize("image", [None, "1x8x12"], ids=["text", "image"])
 def test_verify_tool_on_the_saved_checkpoint(vl_dirs, vl_ckpt, image):
     """checkpoint_tools/verify.py: logits of the TP2xEP2 checkpoint loaded at EP2 vs HF transformers."""
-    cmd = [sys.executable, "-W", "ignore", "checkpoint_tools/verify.py", "--hf-dir", vl_dirs["official"],
-           "--ckpt", vl_ckpt, "--ep", "2", "--random-prompts", "300", "37", "--tol", str(LOGITS_TOL)]
-    cmd += ["--image", image] if image else []
-    proc = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, timeout=300, cwd=ROOT)
+    from checkpoint_tools.verify import main
+    args = ["--hf-dir", vl_dirs["official"], "--ckpt", vl_ckpt, "--ep", "2", "--random-prompts", "300", "37",
+            "--tol", str(LOGITS_TOL)]
+    proc = cli_here(main, *args, *(["--image", image] if image else []))
     assert proc.returncode == 0 and "OK: max |logits diff|" in proc.stdout, proc.stdout + proc.stderr[-2000:]
     print(f"qwen3_vl_moe verify ({image or 'text only'}): {proc.stdout.strip().splitlines()[-1]}")
 

@@ -2,17 +2,12 @@
 the way a user runs them: HF -> dist checkpoint (convert CLI) at one layout; that checkpoint
 loaded at a second layout gives HF transformers' logits on prompts of real length
 (checkpoint_tools/verify.py); exported back at the second layout it is bit-exact HF."""
-import os
-import subprocess
-import sys
-
 import pytest
 
-from test_convert import _convert, _error_line, _same_tensors
+from test_convert import _convert, _error_line, _same_tensors, cli_here
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOGITS_TOL = 1e-4  # fp32; measured 4.5e-7 .. 1.2e-6
 PROMPT_LENGTHS = [300, 37, 129]  # DAPO-Math prompts run ~100-300 tokens
 # shape -> (layout the checkpoint is written at, layout it is read back at)
@@ -48,6 +43,6 @@ def test_a_layout_the_shape_cannot_take_is_one_line(shape_model, tmp_path):
     """TP over a single KV head: refused before any worker starts, naming the flag."""
     proc = _convert("hf-to-mcore", "--hf-dir", shape_model("one_kv_head"), "--out", tmp_path / "x", "--tp", 2)
     assert proc.returncode == 2 and "--tp" in _error_line(proc) and "key-value heads (1)" in _error_line(proc)
-    verify = subprocess.run([sys.executable, "-W", "ignore", "checkpoint_tools/verify.py", "--hf-dir",
-                             shape_model("one_kv_head"), "--tp", "2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    from checkpoint_tools.verify import main
+    verify = cli_here(main, "--hf-dir", shape_model("one_kv_head"), "--tp", "2")
     assert verify.returncode == 2 and "--tp" in _error_line(verify)

@@ -8,7 +8,10 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-LAYOUTS = {"tp2": ["--tp", "2", "--etp", "2"], "ep2": ["--ep", "2"], "pp2": ["--pp", "2"], "tp2xep2": ["--tp", "2", "--ep", "2"],
+# Not here, covered elsewhere: a PP2 actor syncs in test_shapes_sync.py[one_kv_head] (a MoE model's
+# export at PP2 and TP2xPP2: tests/distributed/test_weights_dist.py), a TP2xEP2 MoE actor in
+# test_shapes_sync.py[moe_i48]; both into a TP2 engine (a TP1 engine's load is the same as below).
+LAYOUTS = {"tp2": ["--tp", "2", "--etp", "2"], "ep2": ["--ep", "2"],
            # two sending ranks (each EP rank sends its experts), so two gloo groups into one engine
            "ep2_broadcast": ["--ep", "2", "--transport", "broadcast"],
            # a TP2 engine: checksums merged from its two workers' slices

@@ -1,7 +1,10 @@
 """Both dynamic-sampling modes on a real vLLM-CPU engine actor with the data plane: the kept batch
 has exactly train_batch_size groups, degenerate groups are dropped, no prompt is lost across an
-abort, the data plane holds exactly the kept rows, and the driver gets metadata only."""
+abort (also of multi-turn conversations with a slow tool), the data plane holds exactly the kept
+rows, and the driver gets metadata only."""
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +35,31 @@ def env(tiny_assets):
     ray.get(engine.shutdown.remote())
     dataplane.stop()
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def tool_env(env, tool_assets):
+    """A second engine actor on env's Ray (its spare CPU) and data plane: multi-turn, the warmed-up
+    tool model, its `python` tool answering 1 s late (slow_tool.py)."""
+    import ray
+    from transformers import AutoTokenizer
+
+    from dapo_megatron import dataplane
+    from dapo_megatron.config.schema import DataPlaneConfig, MultiTurnConfig, RolloutConfig
+    from dapo_megatron.data.dataset import PromptDataset
+    from dapo_megatron.rollout.actor import engine_actor
+    from dapo_megatron.toolcall import load_tools
+    tools = [f"{Path(__file__).parent / 'slow_tool.py'}:python"]
+    tokenizer = AutoTokenizer.from_pretrained(tool_assets / "qwen2")
+    dataset = PromptDataset([str(tool_assets / "data" / "train.parquet")], tokenizer, prompt_key="prompt",
+                            max_prompt_length=64, truncation="error", skip_bad_rows=False,
+                            tools=[t.schema for t in load_tools(tools).values()])  # as driver/setup.py does
+    cfg = RolloutConfig(enforce_eager=True, seed=0, multi_turn=MultiTurnConfig(enable=True, max_turns=3), tools=tools)
+    engine = engine_actor(str(tool_assets / "qwen2"), cfg, dtype="fp32", max_model_len=256, device="cpu", num_cpus=1,
+                          data_plane=dataplane.Handle(DataPlaneConfig().backend))  # env's: a handle is a value
+    ray.get(engine.num_in_flight.remote())  # started
+    yield tokenizer, dataset, engine, env[2]
+    ray.get(engine.shutdown.remote())
 
 
 class RecordingSampler:
@@ -119,3 +147,32 @@ def test_early_stop_aborts_and_returns_every_unused_prompt(env):
     assert sorted(seen + pushed) == sorted(prompts.served)
     assert result.metrics["sampling/aborted_groups"] >= 1 and result.metrics["sampling/aborted_tokens"] > 0
     assert prompts.next(len(pushed)) == pushed  # served first next time
+
+
+def test_early_stop_multi_turn_with_a_slow_tool_returns_every_unused_prompt(tool_env):
+    """Multi-turn, with a tool that answers 1 s late: conversations in flight when the batch fills
+    (generating, or waiting on the tool) are aborted and their prompts go back to the stream like
+    any other, none lost or scored twice; nothing stays in flight in the engine or the data plane."""
+    import ray
+    from dapo_megatron.algo import DynamicSampler
+    from dapo_megatron.driver.collect import Store, collect_early_stop
+    from dapo_megatron.rollout.types import Sampling
+    tokenizer, dataset, engine, plane = tool_env
+    prompts = RecordingSampler(len(dataset))
+    seen = []
+
+    def scorer(items, groups):
+        seen.extend(it.index for it in items)
+        return half_degenerate(items, groups)
+
+    # The tool tokenizer's eos is <|im_end|>: a turn ends there, and a tool call ends its turn.
+    sampling = Sampling(n=N, temperature=1.0, max_tokens=96, seed=0, stop_token_ids=(tokenizer.eos_token_id,))
+    result = collect_early_stop([engine], dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer,
+                                sampling, GEN, Store("tools", plane), max_concurrent_per_engine=4 * N)
+    _check_kept(result, plane, "tools")
+    pushed = prompts.inner.state_dict()["pushed_back"]
+    assert sorted(seen + pushed) == sorted(prompts.served) and len(set(seen)) == len(seen)
+    assert result.metrics["sampling/aborted_groups"] >= 1
+    assert result.metrics["rollout/tool_calls"] > 0 and result.metrics["rollout/turns_mean"] > 1
+    assert prompts.next(len(pushed)) == pushed  # served first next time
+    assert ray.get(engine.num_in_flight.remote()) == 0

@@ -1,11 +1,22 @@
 """The DAPO loop end to end on a local Ray cluster: 2 training ranks (EP2) and one vLLM-CPU engine.
-Two steps, a checkpoint, then a resumed run that continues the step count and prompt position;
-a damaged checkpoint stops the resume with one line naming the file."""
+
+A quickstart start-up (Ray, data plane, ranks, engine) costs most of an e2e test's time, so the
+module starts each run once and several tests assert on it:
+  whole:   the quickstart as a user starts it (a process of its own) on ~300-token prompts,
+           2 steps, routes replayed, a checkpoint every step
+  chunked: the same in this process, prefilling 256 tokens a step (every prompt is chunked)
+  tp2:     the same at TP2, its engine killed once step 1 is saved
+Resume after a crash (and a damaged checkpoint) is tests/e2e/test_kill_resume.py.
+"""
 from __future__ import annotations
 
 import json
 import os
 import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -36,107 +47,15 @@ def _rows(out_dir):
     return [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
 
 
-def test_two_steps_then_resume(tiny_assets, tmp_path, capsys):
+def _run_here(cfg) -> int:
+    """`driver.loop.run` in this process, Ray shut down after it (a failed run leaves actors)."""
     import ray
 
     from dapo_megatron.driver.loop import run
-    out = tmp_path / "run"
     try:
-        assert run(_cfg(tiny_assets, out, steps=2)) == 0
+        return run(cfg)
     finally:
         ray.shutdown()
-    rows = _rows(out)
-    assert [r["step"] for r in rows] == [1, 2]
-    for key in ("reward/mean", "acc/mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
-                "actor/grad_norm", "rollout/logprob_diff_max", "sampling/num_gen_batches", "timing/gen",
-                "timing/update", "timing/sync", "timing/step", "val/acc"):
-        assert key in rows[-1], key
-    # The engine sampled with the weights the actor scored with: fp32 on both sides.
-    assert all(r["rollout/logprob_diff_max"] < 1e-2 for r in rows)
-    assert (out / "curves.png").exists() and os.listdir(out / "checkpoints")
-    try:
-        assert run(_cfg(tiny_assets, out, steps=3)) == 0
-    finally:
-        ray.shutdown()
-    rows = _rows(out)
-    assert [r["step"] for r in rows] == [1, 2, 3]  # resumed at step 3, not from scratch
-    # One flipped bit in the newest checkpoint: the resume stops with one line naming the file.
-    from dapo_megatron.main import main
-    damaged = sorted((out / "checkpoints" / "step_3").glob("*.distcp"))[0]
-    data = bytearray(damaged.read_bytes())
-    data[len(data) // 2] ^= 1
-    damaged.write_bytes(bytes(data))
-    capsys.readouterr()
-    try:
-        assert main(["--config-name", "quickstart", *_overrides(tiny_assets, out, steps=4)]) == 2
-    finally:
-        ray.shutdown()
-    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
-    assert len(err) == 1 and f"{damaged} is damaged" in err[0] and "trainer.resume_mode" in err[0], err
-
-
-def test_killed_engine_is_a_clear_error_and_restart_resumes(tiny_assets, tmp_path):
-    """Kill the engine after the first step: the run stops with an error naming the role (no
-    hang), and a restarted run resumes from the last checkpoint."""
-    import threading
-    import time
-
-    import ray
-
-    from dapo_megatron.driver.loop import run
-    from dapo_megatron.driver.placement import ENGINE_NAME
-    out = tmp_path / "run"
-
-    def kill_after_first_step():
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and not (out / "checkpoints" / "latest").exists():
-            time.sleep(0.2)
-        ray.kill(ray.get_actor(f"{ENGINE_NAME}-0"))
-
-    killer = threading.Thread(target=kill_after_first_step, daemon=True)
-    killer.start()
-    t0 = time.monotonic()
-    try:
-        with pytest.raises(RuntimeError, match="rollout engine died"):
-            run(_cfg(tiny_assets, out, steps=20))
-    finally:
-        ray.shutdown()
-    killer.join(timeout=5)
-    assert time.monotonic() - t0 < 300
-    done = [r["step"] for r in _rows(out)]
-    try:
-        assert run(_cfg(tiny_assets, out, steps=done[-1] + 1)) == 0
-    finally:
-        ray.shutdown()
-    assert [r["step"] for r in _rows(out)][-1] == done[-1] + 1
-
-
-def test_sigterm_saves_and_exits_cleanly(tiny_assets, tmp_path):
-    import signal
-    import threading
-    import time
-
-    import ray
-
-    from dapo_megatron.driver.loop import run
-    out = tmp_path / "run"
-
-    def term_after_first_step():
-        while not (out / "metrics.jsonl").exists():
-            time.sleep(0.2)
-        os.kill(os.getpid(), signal.SIGTERM)
-
-    threading.Thread(target=term_after_first_step, daemon=True).start()
-    previous = signal.getsignal(signal.SIGTERM)
-    try:
-        assert run(_cfg(tiny_assets, out, steps=50, **{"trainer.save_freq": 100})) == 0
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-        ray.shutdown()
-    last = _rows(out)[-1]["step"]
-    assert last < 50  # stopped early ...
-    latest = (out / "checkpoints" / "latest").read_text().strip()
-    assert latest == f"step_{last}"  # ... and saved the step it finished
 
 
 def _long_prompt_data(tiny_assets, out_dir) -> str:
@@ -155,35 +74,107 @@ def _long_prompt_data(tiny_assets, out_dir) -> str:
     return str(path)
 
 
-def test_real_length_prompts_chunked_prefill_changes_nothing(tiny_assets, tmp_path):
-    """The quickstart on ~300-token prompts: prefilled 256 tokens a step (every prompt is chunked),
-    the run gives exactly the metrics of a run whose steps prefill whole (budget above the step)."""
+@pytest.fixture(scope="module")
+def long_prompts(tiny_assets, tmp_path_factory) -> dict:
+    """Overrides shared by the module's runs: ~300-token prompts, routes replayed by the update
+    (actor.router_replay=actor: the old-log-prob pass records them, the batch carries them)."""
+    train = _long_prompt_data(tiny_assets, tmp_path_factory.mktemp("long"))
+    return {"data.train_files": f"[{train}]", "data.max_prompt_length": 400, "actor.router_replay": "actor"}
+
+
+@dataclass
+class Finished:
+    out: Path
+    rows: list
+    proc: subprocess.CompletedProcess | None = None
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
+    """2 steps as `python -m dapo_megatron.main` in a process of its own; its steps prefill whole
+    (16384 > 24 responses x ~330 tokens)."""
+    out = tmp_path_factory.mktemp("whole") / "run"
+    args = _overrides(tiny_assets, out, 2, **long_prompts, **{"rollout.max_num_batched_tokens": 16384})
+    proc = subprocess.run([sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart", *args],
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return Finished(out, _rows(out), proc)
+
+
+@pytest.fixture(scope="module")
+def chunked(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
+    out = tmp_path_factory.mktemp("chunked") / "run"
+    cfg = _cfg(tiny_assets, out, 2, **long_prompts, **{"rollout.max_num_batched_tokens": 256, "trainer.save_freq": 100})
+    assert _run_here(cfg) == 0
+    return Finished(out, _rows(out))
+
+
+@pytest.fixture(scope="module")
+def tp2_killed(tiny_assets, long_prompts, tmp_path_factory):
+    """TP2 (DP1) on the same prompts, its engine killed once step 1's checkpoint is published:
+    (the run's error or None, seconds until it stopped, its metric rows)."""
+    import threading
+    import time
+
     import ray
+
+    from dapo_megatron.driver.placement import ENGINE_NAME
+    out = tmp_path_factory.mktemp("tp2") / "run"
+
+    def kill_after_first_step():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (out / "checkpoints" / "latest").exists():
+            time.sleep(0.2)
+        ray.kill(ray.get_actor(f"{ENGINE_NAME}-0"))
+
+    killer = threading.Thread(target=kill_after_first_step, daemon=True)
+    killer.start()
+    cfg = _cfg(tiny_assets, out, 20, **long_prompts, **{"actor.parallel.tp": 2, "actor.parallel.ep": 1,
+                                                         "actor.parallel.etp": 2, "trainer.test_freq": 0})
+    t0, error = time.monotonic(), None
+    try:
+        _run_here(cfg)
+    except RuntimeError as exc:
+        error = exc
+    killer.join(timeout=5)
+    return error, time.monotonic() - t0, _rows(out)
+
+
+@pytest.mark.quickstart
+def test_two_steps_log_every_metric_and_checkpoint(whole):
+    rows, out = whole.rows, whole.out
+    assert [r["step"] for r in rows] == [1, 2]
+    for key in ("reward/mean", "acc/mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
+                "actor/grad_norm", "rollout/logprob_diff_max", "sampling/num_gen_batches", "timing/gen",
+                "timing/update", "timing/sync", "timing/step", "val/acc"):
+        assert key in rows[-1], key
+    # The engine sampled with the weights the actor scored with: fp32 on both sides.
+    assert all(r["rollout/logprob_diff_max"] < 1e-2 for r in rows)
+    assert (out / "curves.png").exists()
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_1", "step_2"]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+    assert rows[0]["response_length/mean"] > 0
+
+
+def test_real_length_prompts_chunked_prefill_changes_nothing(whole, chunked, tiny_assets, long_prompts):
+    """The quickstart on ~300-token prompts prefilled 256 tokens a step gives exactly the metrics
+    of the run whose steps prefill whole."""
     from transformers import AutoTokenizer
 
     from dapo_megatron.data.dataset import PromptDataset
-    from dapo_megatron.driver.loop import run
-    train = _long_prompt_data(tiny_assets, tmp_path)
+    train = long_prompts["data.train_files"].strip("[]")
     data = PromptDataset([train], AutoTokenizer.from_pretrained(tiny_assets / "tokenizer"), prompt_key="prompt",
                          max_prompt_length=400, truncation="error", skip_bad_rows=False)
     lengths = [len(item.prompt.ids) for item in data]
     assert 250 <= min(lengths) and max(lengths) <= 400, (min(lengths), max(lengths))
-    runs = {}
-    for budget in (256, 16384):  # 16384 > 24 responses x ~330 tokens: no step chunks
-        out = tmp_path / f"budget{budget}"
-        try:
-            assert run(_cfg(tiny_assets, out, steps=2, **{
-                "data.train_files": f"[{train}]", "data.max_prompt_length": 400,
-                "rollout.max_num_batched_tokens": budget, "trainer.save_freq": 100})) == 0
-        finally:
-            ray.shutdown()
-        runs[budget] = [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/")) and not k.endswith("_s")}
-                        for r in _rows(out)]  # all but the clocks
-    assert [r["step"] for r in runs[256]] == [1, 2]
-    for chunked, whole in zip(runs[256], runs[16384]):
-        differ = {k: (v, whole.get(k)) for k, v in chunked.items() if whole.get(k) != v}
-        assert not differ, f"step {chunked['step']}: chunked vs whole prefill {differ}"
-    assert runs[256][0]["response_length/mean"] > 0
+
+    def clockless(rows):  # all but the clocks
+        return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/")) and not k.endswith("_s")}
+                for r in rows]
+    assert [r["step"] for r in chunked.rows] == [1, 2]
+    for c, w in zip(clockless(chunked.rows), clockless(whole.rows)):
+        differ = {k: (v, w.get(k)) for k, v in c.items() if w.get(k) != v}
+        assert not differ, f"step {c['step']}: chunked vs whole prefill {differ}"
 
 
 # Our console lines: a step's metrics, checkpoints, the resume notice, our warnings.
@@ -192,18 +183,11 @@ _OURS = re.compile(r"^(step \d+: |saved |resumed from |warning: )")
 _LIBRARY = ("RotaryEmbedding", "reset prefix cache", "FutureWarning", "UserWarning", " INFO ", "Apex")
 
 
-def test_console_is_one_line_per_step_and_library_output_goes_to_the_log_files(tiny_assets, tmp_path):
-    """The run as a user starts it (a process of its own): stdout holds our lines only, one per
-    step; vLLM's per-sync notices and torch / Megatron warnings land in <run dir>/logs/.
-    The run replays routes (actor.router_replay=actor): the update replays the old-log-prob
-    pass's routes, carried by the batch."""
-    import subprocess
-    import sys
-    out = tmp_path / "run"
-    args = _overrides(tiny_assets, out, steps=2, **{"trainer.save_freq": 100, "actor.router_replay": "actor"})
-    proc = subprocess.run([sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart", *args],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
-    assert proc.returncode == 0, proc.stderr[-3000:]
+@pytest.mark.quickstart
+def test_console_is_one_line_per_step_and_library_output_goes_to_the_log_files(whole):
+    """stdout holds our lines only, one per step; vLLM's per-sync notices and torch / Megatron
+    warnings land in <run dir>/logs/."""
+    proc, out = whole.proc, whole.out
     lines = proc.stdout.splitlines()
     assert [line.split(":")[0] for line in lines if line.startswith("step ")] == ["step 1", "step 2"], lines
     assert all(_OURS.match(line) for line in lines), [line for line in lines if not _OURS.match(line)]
@@ -213,8 +197,55 @@ def test_console_is_one_line_per_step_and_library_output_goes_to_the_log_files(t
     engine_log = (out / "logs" / "engine-0.log").read_text()
     assert "reset prefix cache" in engine_log and "RotaryEmbedding" in engine_log  # one per weight sync
     assert (out / "logs" / "train-rank0.log").stat().st_size > 0 and (out / "logs" / "train-rank1.log").exists()
-    rows = _rows(out)
-    # The first mini-batch trains the policy that recorded the routes: it agrees everywhere.
-    # ppo_mini_batch_size 2 of 4 groups: the second one follows an optimizer step.
+
+
+@pytest.mark.quickstart
+def test_update_replays_the_recorded_routes(whole):
+    """The first mini-batch trains the policy that recorded the routes: it agrees everywhere.
+    ppo_mini_batch_size 2 of 4 groups: the second one follows an optimizer step."""
+    rows = whole.rows
     assert all(0.5 < r["actor/router_agreement"] <= 1.0 for r in rows), rows
     assert "rollout/router_agreement" not in rows[0]  # the engine returned no routes
+
+
+def test_killed_engine_is_a_clear_error_not_a_hang(tp2_killed):
+    """The run stops with an error naming the role; restarting resumes (test_kill_resume.py)."""
+    error, seconds, rows = tp2_killed
+    assert isinstance(error, RuntimeError) and "rollout engine died" in str(error), error
+    assert "trainer.resume_mode" in str(error)
+    assert seconds < 300 and rows[0]["step"] == 1
+
+
+def test_ranks_read_their_share_at_dp2_and_the_same_rows_at_tp2(whole, tp2_killed):
+    """Step 1 is the same batch in both runs (same weights, seed and prompts). Quickstart layout
+    (DP2 with EP2): each rank reads about half of what a rank reads at TP2 (DP1: both TP peers
+    read every row), and the two DP ranks read within 1.1x of each other."""
+    dp2, tp2 = whole.rows[0], tp2_killed[2][0]
+    assert dp2["acc/kept_mean"] == tp2["acc/kept_mean"] and dp2["response_length/mean"] == tp2["response_length/mean"]
+    mean, largest = dp2["data_plane/bytes_get"], dp2["data_plane/bytes_get_max"]
+    assert tp2["data_plane/bytes_get_max"] == tp2["data_plane/bytes_get"]  # TP peers read the same rows
+    assert largest <= 1.1 * mean and largest <= 0.6 * tp2["data_plane/bytes_get"], (dp2, tp2)
+
+
+def test_sigterm_saves_and_exits_cleanly(tiny_assets, tmp_path):
+    import signal
+    import threading
+    import time
+
+    out = tmp_path / "run"
+
+    def term_after_first_step():
+        while not (out / "metrics.jsonl").exists():
+            time.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=term_after_first_step, daemon=True).start()
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert _run_here(_cfg(tiny_assets, out, steps=50, **{"trainer.save_freq": 100})) == 0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    last = _rows(out)[-1]["step"]
+    assert last < 50  # stopped early ...
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert latest == f"step_{last}"  # ... and saved the step it finished
