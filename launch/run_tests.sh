@@ -2,7 +2,7 @@
 # The README's test command: set up .venv, then the whole suite in two phases: tests/unit on two
 # pytest-xdist workers (one thread each: the single-process tests keep both cores busy), then the
 # multi-process Megatron tests and end to end (each already uses both cores) one at a time.
-#   --fast   the tier for working (~8 min): every file of tests/unit and tests/distributed without
+#   --fast   the tier for working (4.5 min here): every file of tests/unit and tests/distributed without
 #            the tests marked slow, and the one end-to-end quickstart run (marker `quickstart`).
 #   other arguments go to pytest, which then runs once over the whole suite, serially.
 # Each phase prints its 15 slowest tests, so growth shows in every CI log.
