@@ -31,7 +31,7 @@ def env(tiny_assets):
     handle = dataplane.start(DataPlaneConfig())
     engine = engine_actor(str(tiny_assets / "qwen3_moe"), RolloutConfig(enforce_eager=True), dtype="fp32",
                           max_model_len=512, device="cpu", num_cpus=1, data_plane=handle)
-    yield dataset, engine, dataplane.connect(handle)
+    yield dataset, engine, dataplane.connect(handle), handle
     ray.get(engine.shutdown.remote())
     dataplane.stop()
     ray.shutdown()
@@ -44,8 +44,7 @@ def tool_env(env, tool_assets):
     import ray
     from transformers import AutoTokenizer
 
-    from dapo_megatron import dataplane
-    from dapo_megatron.config.schema import DataPlaneConfig, MultiTurnConfig, RolloutConfig
+    from dapo_megatron.config.schema import MultiTurnConfig, RolloutConfig
     from dapo_megatron.data.dataset import PromptDataset
     from dapo_megatron.rollout.actor import engine_actor
     from dapo_megatron.toolcall import load_tools
@@ -56,7 +55,7 @@ def tool_env(env, tool_assets):
                             tools=[t.schema for t in load_tools(tools).values()])  # as driver/setup.py does
     cfg = RolloutConfig(enforce_eager=True, seed=0, multi_turn=MultiTurnConfig(enable=True, max_turns=3), tools=tools)
     engine = engine_actor(str(tool_assets / "qwen2"), cfg, dtype="fp32", max_model_len=256, device="cpu", num_cpus=1,
-                          data_plane=dataplane.Handle(DataPlaneConfig().backend))  # env's: a handle is a value
+                          data_plane=env[3])
     ray.get(engine.num_in_flight.remote())  # started
     yield tokenizer, dataset, engine, env[2]
     ray.get(engine.shutdown.remote())
@@ -112,7 +111,7 @@ def test_sync_mode_keeps_exactly_train_batch_size(env):
     from dapo_megatron.driver.collect import collect_sync
     from dapo_megatron.rollout.types import Sampling
     from dapo_megatron.driver.collect import Store
-    dataset, engine, plane = env
+    dataset, engine, plane, _ = env
     prompts = RecordingSampler(len(dataset))
     sampler = DynamicSampler(TRAIN, max_num_gen_batches=10)
     result = collect_sync([engine], dataset, prompts, sampler, half_degenerate,
@@ -127,7 +126,7 @@ def test_early_stop_aborts_and_returns_every_unused_prompt(env):
     from dapo_megatron.driver.collect import collect_early_stop
     from dapo_megatron.rollout.types import Sampling
     from dapo_megatron.driver.collect import Store
-    dataset, engine, plane = env
+    dataset, engine, plane, _ = env
     prompts = RecordingSampler(len(dataset))
     sampler = DynamicSampler(TRAIN, max_num_gen_batches=10)
     seen = []

@@ -47,6 +47,14 @@ def _rows(out_dir):
     return [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
 
 
+MAIN = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart"]
+
+
+def _main(overrides, env, timeout=600) -> subprocess.CompletedProcess:
+    """The quickstart as a user starts it: a process of its own, output captured."""
+    return subprocess.run([*MAIN, *overrides], env=env, capture_output=True, text=True, timeout=timeout)
+
+
 def _run_here(cfg) -> int:
     """`driver.loop.run` in this process, Ray shut down after it (a failed run leaves actors)."""
     import ray
@@ -86,7 +94,9 @@ def long_prompts(tiny_assets, tmp_path_factory) -> dict:
 class Finished:
     out: Path
     rows: list
-    proc: subprocess.CompletedProcess | None = None
+    proc: subprocess.CompletedProcess | None = None  # `whole`: the process, for its console
+    error: Exception | None = None  # `tp2`: what the run raised
+    seconds: float = 0.0  # `tp2`: until it stopped
 
 
 @pytest.fixture(scope="module")
@@ -95,8 +105,7 @@ def whole(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
     (16384 > 24 responses x ~330 tokens)."""
     out = tmp_path_factory.mktemp("whole") / "run"
     args = _overrides(tiny_assets, out, 2, **long_prompts, **{"rollout.max_num_batched_tokens": 16384})
-    proc = subprocess.run([sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart", *args],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, "RAY_ADDRESS": ""})
+    proc = _main(args, {**os.environ, "RAY_ADDRESS": ""})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Finished(out, _rows(out), proc)
 
@@ -110,9 +119,8 @@ def chunked(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
 
 
 @pytest.fixture(scope="module")
-def tp2_killed(tiny_assets, long_prompts, tmp_path_factory):
-    """TP2 (DP1) on the same prompts, its engine killed once step 1's checkpoint is published:
-    (the run's error or None, seconds until it stopped, its metric rows)."""
+def tp2_killed(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
+    """TP2 (DP1) on the same prompts, its engine killed once step 1's checkpoint is published."""
     import threading
     import time
 
@@ -137,7 +145,7 @@ def tp2_killed(tiny_assets, long_prompts, tmp_path_factory):
     except RuntimeError as exc:
         error = exc
     killer.join(timeout=5)
-    return error, time.monotonic() - t0, _rows(out)
+    return Finished(out, _rows(out), error=error, seconds=time.monotonic() - t0)
 
 
 @pytest.mark.quickstart
@@ -210,17 +218,17 @@ def test_update_replays_the_recorded_routes(whole):
 
 def test_killed_engine_is_a_clear_error_not_a_hang(tp2_killed):
     """The run stops with an error naming the role; restarting resumes (test_kill_resume.py)."""
-    error, seconds, rows = tp2_killed
+    error = tp2_killed.error
     assert isinstance(error, RuntimeError) and "rollout engine died" in str(error), error
     assert "trainer.resume_mode" in str(error)
-    assert seconds < 300 and rows[0]["step"] == 1
+    assert tp2_killed.seconds < 300 and tp2_killed.rows[0]["step"] == 1
 
 
 def test_ranks_read_their_share_at_dp2_and_the_same_rows_at_tp2(whole, tp2_killed):
     """Step 1 is the same batch in both runs (same weights, seed and prompts). Quickstart layout
     (DP2 with EP2): each rank reads about half of what a rank reads at TP2 (DP1: both TP peers
     read every row), and the two DP ranks read within 1.1x of each other."""
-    dp2, tp2 = whole.rows[0], tp2_killed[2][0]
+    dp2, tp2 = whole.rows[0], tp2_killed.rows[0]
     assert dp2["acc/kept_mean"] == tp2["acc/kept_mean"] and dp2["response_length/mean"] == tp2["response_length/mean"]
     mean, largest = dp2["data_plane/bytes_get"], dp2["data_plane/bytes_get_max"]
     assert tp2["data_plane/bytes_get_max"] == tp2["data_plane/bytes_get"]  # TP peers read the same rows

@@ -13,18 +13,13 @@ import subprocess
 import sys
 
 import pytest
-from test_driver import _overrides, _rows
+from test_driver import MAIN, _main, _overrides, _rows
 
 from dapo_megatron.train.parallel import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 RAY = os.path.join(os.path.dirname(sys.executable), "ray")
-MAIN = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart"]
-
-
-def _main(overrides, env, timeout=600):
-    return subprocess.run([*MAIN, *overrides], env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def _job_submit(overrides, env) -> subprocess.CompletedProcess:
