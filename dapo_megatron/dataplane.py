@@ -108,9 +108,18 @@ class DataPlane:
     """put / get / clear rows by key within a partition; counts the bytes this process moved."""
 
     def __init__(self, handle: Handle):
-        self._tq = _transfer_queue()
-        self._tq.init()  # attaches to the driver's controller
+        self._client = None
         self.bytes_put = self.bytes_get = 0
+
+    @property
+    def _tq(self):
+        """TransferQueue, attached to the driver's controller on first use, not at construction:
+        the roles are created while the driver still starts the controller and units, so the
+        start-ups overlap (~5 s of a quickstart's start on 2 cores)."""
+        if self._client is None:
+            self._client = _transfer_queue()
+            self._client.init()
+        return self._client
 
     def put(self, partition: str, keys: Sequence[str], rows: Sequence[dict], writer: str) -> int:
         """Store `rows` (one dict per key: FIELDS name -> value) under `keys`; adds columns to keys

@@ -56,10 +56,11 @@ def shape_model(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tool_assets(tmp_path_factory) -> Path:
     """The tool task's bundle (tokenizer/, qwen2/, data/), warmed up: the tests need a model that
-    really calls the interpreter (~1.5 min once per session)."""
+    really calls the interpreter (~1 min once per session; the same weights as the demo's bundle,
+    without the manifest's accuracy figures, which no test reads)."""
     from dapo_megatron.assets.build import build_tool_assets
     out = tmp_path_factory.mktemp("tool-assets") / "tools"
-    return build_tool_assets(out, seed=TEST_ASSETS_SEED, log=lambda _msg: None)
+    return build_tool_assets(out, seed=TEST_ASSETS_SEED, log=lambda _msg: None, accuracy=False)
 
 
 @pytest.fixture(scope="session")

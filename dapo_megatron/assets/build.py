@@ -92,15 +92,16 @@ def build_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, warmup
 
 
 def build_tool_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, force: bool = False,
-                      log: Callable[[str], None] = print) -> Path:
-    """The tool task's bundle (assets/tools.py) into `out_dir`, atomically, like `build_assets`."""
+                      log: Callable[[str], None] = print, accuracy: bool = True) -> Path:
+    """The tool task's bundle (assets/tools.py) into `out_dir`, atomically, like `build_assets`
+    (`accuracy=False`: without the manifest's accuracy figures)."""
     from dapo_megatron.assets import tools
     want = {"asset_version": tools.TOOLS_VERSION, "seed": seed, "warmup_steps": tools.WARMUP_STEPS,
             "target_accuracy": tools.TARGET_ACCURACY}
 
     def build(tmp: Path) -> dict[str, Any]:
         with _quiet_progress_bars():
-            return tools.build_tool_bundle(tmp, seed=seed, warmup_steps=tools.WARMUP_STEPS, log=log)
+            return tools.build_tool_bundle(tmp, seed=seed, warmup_steps=tools.WARMUP_STEPS, log=log, accuracy=accuracy)
     return _atomic_build(Path(out_dir), want, build, force=force, log=log)
 
 

@@ -110,8 +110,11 @@ def tool_accuracy(model, tokenizer, pairs, *, samples_per_pair: int = 4, tempera
     return {"accuracy": correct / len(first), "calls_ran": ran / len(first)}
 
 
-def build_tool_bundle(root: Path, *, seed: int, warmup_steps: int, log: Callable[[str], None]) -> dict[str, Any]:
-    """Tokenizer, data and warmed-up model into `root`; returns the manifest (also written)."""
+def build_tool_bundle(root: Path, *, seed: int, warmup_steps: int, log: Callable[[str], None],
+                      accuracy: bool = True) -> dict[str, Any]:
+    """Tokenizer, data and warmed-up model into `root`; returns the manifest (also written).
+    `accuracy`: measure the warmed model's train / val accuracy for the manifest (a third of the
+    build; the test session's bundle skips it, the weights are the same)."""
     from transformers import AutoModelForCausalLM
 
     from dapo_megatron.assets.build import finish_model_dir  # build.py imports this module lazily
@@ -143,8 +146,9 @@ def build_tool_bundle(root: Path, *, seed: int, warmup_steps: int, log: Callable
         stats.update({"warmup_steps_taken": len(losses), "warmup_seconds": round(time.perf_counter() - begin, 2)})
         if losses:
             stats.update({"loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4)})
-        stats["train"] = tool_accuracy(model, tokenizer, train_pairs[:64], seed=seed, runner=runner)
-        stats["val"] = tool_accuracy(model, tokenizer, val_pairs, seed=seed, runner=runner)
+        if accuracy:
+            stats["train"] = tool_accuracy(model, tokenizer, train_pairs[:64], seed=seed, runner=runner)
+            stats["val"] = tool_accuracy(model, tokenizer, val_pairs, seed=seed, runner=runner)
     finally:
         torch.set_num_threads(before)
         runner.close()

@@ -26,7 +26,7 @@ from dapo_megatron.rollout.types import Sampling
 
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group before giving up
-# Test hook (tests/e2e/test_kill_resume.py): DAPO_KILL_AT=<collect|update>:<step> kills this
+# Test hook (tests/e2e/test_driver.py): DAPO_KILL_AT=<collect|update>:<step> kills this
 # process with SIGKILL in the middle of that phase of that step, as a crash or an OOM kill would.
 KILL_AT = "DAPO_KILL_AT"
 

@@ -103,11 +103,14 @@ def prepare(cfg: DapoConfig) -> Context:
         1, len(train_data) // cfg.data.train_batch_size)
     check_reward_config(cfg.reward)  # imports reward.custom_fn: a bad one fails here, not in an actor
     init_ray(cfg)
-    handle = dataplane.start(cfg.data_plane)
+    # The roles first, the data plane while they start (they attach to it on first use): their
+    # imports and the controller's overlap.
+    handle = dataplane.Handle(cfg.data_plane.backend)
     placement = place(cfg, model_path, spec, cfg.data.max_prompt_length + cfg.data.max_response_length,
                       tokenizer_path=tokenizer_dir, data_plane=handle)
     reward = ray.remote(RewardWorker).options(num_cpus=0).remote(
         _absolute_custom_fn(cfg), tokenizer_dir, handle, log_file(cfg.trainer.default_local_dir, "reward"))
+    dataplane.start(cfg.data_plane)
     as_role("actor", placement.train.setup, total)
     stops = tuple(t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
                   if isinstance(t, int) and t >= 0)

@@ -1,6 +1,7 @@
 """Every test shape (`assets.models.TEST_SHAPES`) through the weight sync, as
 `python -m dapo_megatron.tools.check_sync` runs it: the actor at a sharded layout takes an
-optimizer step, syncs into a TP2 vLLM-CPU engine (checksums compared), and the engine's
+optimizer step, syncs into a TP2 vLLM-CPU engine (checksums compared; through Ray's object
+store, or a broadcast group per sending rank), and the engine's
 log-probs of tokens sampled after prompts of real length equal HF transformers on the actor's
 exported weights."""
 from __future__ import annotations
@@ -12,7 +13,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 PROMPT_LEN = 300
 # shape -> actor layout flags (the engine is TP2 in every case: one worker per core)
 LAYOUTS = {
-    "a3b_like": ["--ep", "2"],
+    # two sending ranks (each EP rank sends its experts): two broadcast groups into the engine
+    "a3b_like": ["--ep", "2", "--transport", "broadcast"],
     "moe_i48": ["--tp", "2", "--ep", "2"],  # the CPU kernel pads each TP half of the experts' 48 to 32
     "qwen25_like": ["--tp", "2", "--etp", "2"],  # tied: the engine's lm_head is the embedding
     "one_kv_head": ["--pp", "2"],  # the TP2 engine replicates the single KV head
