@@ -26,8 +26,9 @@ from dapo_megatron.rollout.types import Sampling
 
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group before giving up
-# Test hook (tests/e2e/test_driver.py): DAPO_KILL_AT=<collect|update>:<step> kills this
-# process with SIGKILL in the middle of that phase of that step, as a crash or an OOM kill would.
+# Test hook (tests/e2e/test_driver.py): DAPO_KILL_AT=update:<step> kills this process with
+# SIGKILL in the middle of that step's update, as a crash or an OOM kill would. (A crash while the
+# engines generate is the test's killed engine.)
 KILL_AT = "DAPO_KILL_AT"
 
 
@@ -82,7 +83,7 @@ def train_step(run: Run) -> dict:
     run.collections += 1
     store = Store(f"step{run.step + 1}-{run.collections}", ctx.plane)
     try:
-        with _kill_during("collect", run.step + 1), run.timed("gen"):
+        with run.timed("gen"):
             collected = setup.as_role("rollout engine", generate, run, store)
         if not collected.groups:
             return {}
