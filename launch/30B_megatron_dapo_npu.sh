@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Qwen3-30B-A3B DAPO on 2x Atlas 800T A3 (16 NPUs): Megatron TP4 x EP2 x PP2 actor, vllm-ascend
+# Qwen3-30B-A3B DAPO on 2x Atlas 800T A3 (16 NPUs): Megatron TP4 x PP2 x EP8 actor, vllm-ascend
 # TP8+EP engines in eager mode, colocated. Run on the head node of a Ray cluster started with
 #   ray start --head --resources='{"NPU": 8}'            (node 1)
 #   ray start --address=HEAD_IP:6379 --resources='{"NPU": 8}'   (node 2)

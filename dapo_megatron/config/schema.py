@@ -60,6 +60,15 @@ class OptimConfig:
 
 
 @dataclass
+class OffloadConfig:
+    """What the actor keeps in host memory while the engines generate (colocated placement only;
+    verl's megatron.{param,grad,optimizer}_offload). Each moves back before the old-log-prob pass."""
+    params: bool = False  # offloaded after the weight sync (the sync's TP / EP gathers need them)
+    grads: bool = False  # main-grad buffers, freed after the update: dead until the next one zeroes them
+    optimizer: bool = False  # Adam moments and fp32 master weights, after the update
+
+
+@dataclass
 class ActorConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -76,7 +85,7 @@ class ActorConfig:
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"  # k1 | mse (k2) | low_var_kl (k3)
     recompute_granularity: str = ""  # "" | full | selective
-    offload: bool = False  # move params/optimizer to host while the engines generate
+    offload: OffloadConfig = field(default_factory=OffloadConfig)
     # MoE routing replay (train/routing.py): off | actor (R2: the update replays the routes of
     # the old-log-prob pass) | rollout (R3: old log-probs and the update replay the engine's routes)
     router_replay: str = "off"
@@ -85,7 +94,7 @@ class ActorConfig:
 @dataclass
 class RefConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    offload: bool = True  # keep reference weights in host memory between uses (no-op on CPU)
+    offload: bool = True  # keep reference weights in host memory between uses
 
 
 @dataclass
@@ -131,6 +140,11 @@ class RolloutConfig:
     ignore_eos: bool = False
     seed: int = 0
     gpu_memory_utilization: float = 0.6
+    # Colocated placement: the engines sleep while the actor trains (KV cache freed) and wake for
+    # the weight sync. Level 2 also drops their weights: every wake is followed by a full sync
+    # that overwrites them, so level 1's host copy would be moved twice for nothing.
+    free_cache_engine: bool = True
+    sleep_level: int = 2
     max_num_batched_tokens: int = 8192
     max_concurrent_per_engine: int = 256
     enforce_eager: bool = False

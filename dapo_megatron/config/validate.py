@@ -37,6 +37,7 @@ CHOICES: dict[str, tuple] = {
     "algorithm.filter_groups.on_exhausted": tuple(ON_EXHAUSTED),
     "rollout.name": ("vllm",),
     "rollout.sync.transport": tuple(TRANSPORTS),
+    "rollout.sleep_level": (1, 2),
     "rollout.multi_turn.format": tuple(FORMATS),
     "data_plane.backend": BACKENDS,
 }
@@ -211,11 +212,23 @@ def _check_layouts(cfg: DapoConfig) -> None:
              f"devices / rollout.parallel.tp ({r.tp}); 0 starts {fit}")
     _require(0 < cfg.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
              f"rollout.gpu_memory_utilization must be in (0, 1], got {cfg.rollout.gpu_memory_utilization}")
+    _check_offload(cfg)
     dp = data_parallel_size(cfg.actor.parallel, devices["actor"])
     responses = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
     _require(responses % dp == 0, "actor.ppo_mini_batch_size",
              f"actor.ppo_mini_batch_size ({cfg.actor.ppo_mini_batch_size}) x rollout.n ({cfg.rollout.n}) = "
              f"{responses} responses must split evenly over the actor's {dp} data-parallel ranks")
+
+
+def _check_offload(cfg: DapoConfig) -> None:
+    """Offload frees the actor's devices for the engines; in split placement no engine shares
+    them, so it would only add two copies per step. (Every device kind can offload: on a CPU the
+    host copies are real and the code path runs, though nothing changes place.)"""
+    if cfg.trainer.placement == "colocated":
+        return
+    on = [f"actor.offload.{name}" for name, flag in vars(cfg.actor.offload).items() if flag]
+    _require(not on, on[0] if on else "", f"{', '.join(on)} need trainer.placement=colocated: in split placement no "
+             f"engine shares the actor's devices; set {'=false, '.join(on)}=false")
 
 
 def check_model(cfg: DapoConfig, spec: ModelSpec) -> None:

@@ -167,7 +167,9 @@ VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     _A + "use_token_level_loss": _token_level_loss,
     _RO + "val_kwargs.do_sample": _do_sample,
     "trainer.logger": _logger,
-    **{_A + "megatron." + k: _set_bool("actor.offload") for k in ("param_offload", "optimizer_offload", "grad_offload")},
+    **{_A + f"megatron.{k}_offload": _set_bool(f"actor.offload.{v}")
+       for k, v in (("param", "params"), ("grad", "grads"), ("optimizer", "optimizer"))},
+    _RO + "free_cache_engine": _set_bool("rollout.free_cache_engine"),
     _R + "megatron.param_offload": _set_bool("ref.offload"),
     "data.filter_overlong_prompts": _filter_overlong,
     "trainer.resume_mode": _resume_mode,
@@ -252,12 +254,13 @@ IGNORED: list[tuple[re.Pattern, str]] = [(re.compile(rx), why) for rx, why in [
      r"use_mbridge|vanilla_mbridge|use_dist_checkpointing|use_remove_padding|seed)$",
      "a Megatron kernel or loader choice that the model spec and the device layer make"),
     (r"^actor_rollout_ref\.actor\.optim\.override_optimizer_config\..*$",
-     "Megatron's CPU optimizer offload is not wired; actor.offload moves parameters and optimizer state "
-     "to host while the engines generate"),
-    (r"^actor_rollout_ref\.rollout\.(enable_chunked_prefill|free_cache_engine|load_format|disable_log_stats|"
+     "Megatron's CPU optimizer (Adam stepping on the host) is not wired; actor.offload.optimizer keeps the "
+     "optimizer state in host memory while the engines generate"),
+    (r"^actor_rollout_ref\.rollout\.(enable_chunked_prefill|load_format|disable_log_stats|"
      r"max_model_len|swap_space|multi_stage_wake_up|layered_summon)$",
      "the engines' setting is derived: chunked prefill by rollout.max_num_batched_tokens, the context is "
-     "data.max_prompt_length + data.max_response_length, the weights come from the actor at each sync"),
+     "data.max_prompt_length + data.max_response_length, the weights come from the actor at each sync, "
+     "and waking is always two-stage (weights for the sync, then the KV cache)"),
     (r"^data\.(filter_overlong_prompts_workers|dataloader_num_workers|use_shm|min_response_length)$",
      "verl's data-loader machinery (min_response_length is read nowhere in verl either)"),
     (r"^trainer\.(balance_batch|log_val_generations|rollout_data_dir|validation_data_dir|del_local_ckpt_after_load|"

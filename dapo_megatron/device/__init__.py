@@ -143,6 +143,21 @@ class Device:
         if self.is_accelerator and self.kind in state:
             self._module().set_rng_state(state[self.kind])
 
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """Host bytes that hold an offloaded storage: pinned where an accelerator copies from them
+        (fast, asynchronous-capable transfers); plain memory on a CPU."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.is_accelerator)
+
+    def peak_memory_gb(self) -> float | None:
+        """Peak allocated accelerator memory since the last call (GiB; resets the peak), or None
+        where the device reports none (CPU)."""
+        if not self.is_accelerator:
+            return None
+        m = self._module()
+        peak = m.max_memory_allocated() / 1024 ** 3
+        m.reset_peak_memory_stats()
+        return peak
+
     def memory_gb(self) -> dict:
         """Allocated / reserved / peak accelerator memory and host RSS, in GiB."""
         import psutil

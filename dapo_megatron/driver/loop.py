@@ -19,9 +19,10 @@ from dapo_megatron.algo import DynamicSampler, compute_grpo_advantages
 from dapo_megatron.config import DapoConfig
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.driver import setup
+from dapo_megatron.driver.colocate import TimeShare
 from dapo_megatron.driver.collect import (Collected, RewardScorer, Store, collect_early_stop, collect_sync,
                                           groups_to_batch)
-from dapo_megatron.driver.metrics import MetricsLogger
+from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog
 from dapo_megatron.rollout.types import Sampling
 
 
@@ -52,6 +53,8 @@ class Run:
     sampler: DynamicSampler
     scorer: RewardScorer
     logger: MetricsLogger
+    share: TimeShare  # colocated placement: who holds the device memory in which phase
+    phases: PhaseLog
     step: int = 0
     syncs: int = 0
     collections: int = 0  # names each collection's data-plane partition
@@ -59,10 +62,13 @@ class Run:
     timing: dict = field(default_factory=dict)
 
     @contextlib.contextmanager
-    def timed(self, name: str):
+    def timed(self, name: str, what=()):
+        """A phase of the step: its seconds add up in timing/<name>, and it gets a line in phases.jsonl."""
         t0 = time.perf_counter()
         yield
-        self.timing[f"timing/{name}"] = time.perf_counter() - t0
+        seconds = time.perf_counter() - t0
+        self.timing[f"timing/{name}"] = self.timing.get(f"timing/{name}", 0.0) + seconds
+        self.phases.write(self.step + 1, name, what, seconds)
 
 
 def generate(run: Run, store: Store) -> Collected:
@@ -87,6 +93,7 @@ def train_step(run: Run) -> dict:
             collected = setup.as_role("rollout engine", generate, run, store)
         if not collected.groups:
             return {}
+        run.share.to_training(run)  # engines sleep, the actor's state comes back
         step = groups_to_batch(collected.groups, store.partition)
         # one advantage per response, every token's (the loss broadcasts it over T)
         step.advantages = compute_grpo_advantages(torch.tensor(step.scores), torch.tensor(step.group),
@@ -102,10 +109,12 @@ def train_step(run: Run) -> dict:
             metrics = ctx.train.step_update(step)
     finally:
         store.clear()
+    run.share.before_sync(run)
     with run.timed("sync"):
         run.syncs += 1
         metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync,
                                           verify=setup.verify_due(cfg, run.syncs)))
+    run.share.after_sync(run)
     metrics.update(collected.metrics, **run.scorer.pop_metrics(), **lp_metrics)
     metrics.update(_batch_metrics(step, metrics, ctx.plane))
     metrics["data/prompts_consumed"] = float(run.prompts.consumed)
@@ -134,9 +143,11 @@ def run(cfg: DapoConfig) -> int:
                               cfg.algorithm.filter_groups.on_exhausted, cfg.algorithm.filter_groups.enable),
                RewardScorer(ctx.reward, cfg.algorithm.filter_groups.metric),
                MetricsLogger(ctx.out_dir, cfg.trainer.logger, project=cfg.trainer.project_name,
-                             experiment=cfg.trainer.experiment_name))
+                             experiment=cfg.trainer.experiment_name),
+               TimeShare.from_config(cfg, ctx.train, ctx.engines), PhaseLog(ctx.out_dir))
     signal.signal(signal.SIGTERM, lambda *_: setattr(run_, "stop_requested", True))
     setup.resume(run_)
+    run_.share.start(run_)
     if cfg.trainer.val_before_train and run_.step == 0:
         run_.logger.log(0, setup.evaluate(run_))
     empty = 0
@@ -159,6 +170,8 @@ def run(cfg: DapoConfig) -> int:
         # as opposed to waiting for the engines and training ranks.
         metrics.update(run_.timing, **{"timing/step": time.perf_counter() - t0,
                                        "driver/cpu_s": time.process_time() - cpu0})
+        run_.timing = {}
+        metrics.update(ctx.train.pop_memory())  # memory/device_peak_gb/<phase>; none on a CPU
         if cfg.trainer.test_freq > 0 and run_.step % cfg.trainer.test_freq == 0:
             metrics.update(setup.evaluate(run_))
         run_.logger.log(run_.step, metrics)
@@ -166,5 +179,6 @@ def run(cfg: DapoConfig) -> int:
             setup.save(run_)
     if not (cfg.trainer.save_freq > 0 and run_.step % cfg.trainer.save_freq == 0):
         setup.save(run_)  # the end of the run, or SIGTERM: keep what was trained
+    run_.phases.close()
     setup.shutdown(run_)
     return 0

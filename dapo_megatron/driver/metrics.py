@@ -102,3 +102,20 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+class PhaseLog:
+    """`phases.jsonl` in the run folder: one line per phase of the loop, in the order they ran
+    ({"step", "phase", "what", "s"}): which role held the devices when, e.g. that the engines slept
+    before the actor loaded its state (driver/colocate.py)."""
+
+    def __init__(self, out_dir: str):
+        os.makedirs(out_dir, exist_ok=True)
+        self._file = open(os.path.join(out_dir, "phases.jsonl"), "a")
+
+    def write(self, step: int, phase: str, what, seconds: float) -> None:
+        self._file.write(json.dumps({"step": step, "phase": phase, "what": list(what), "s": round(seconds, 4)}) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()

@@ -39,6 +39,7 @@ class TrainWorker:
         self.actor = self.ref = self.transport = None
         self.sync_plan = None  # what this rank sends per weight sync, fixed by the first one
         self.plane = dataplane.connect(data_plane) if data_plane is not None else None
+        self.peaks: dict[str, float] = {}  # phase -> peak device memory (GiB) where the device reports it
 
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process group (asked of rank 0 only)."""
@@ -65,6 +66,26 @@ class TrainWorker:
                                  temperature=c.rollout.temperature,
                                  max_tokens_per_microbatch=c.actor.max_tokens_per_microbatch)
         return vars(info)
+
+    def _peak(self, phase: str) -> None:
+        from dapo_megatron.device import get_device
+        peak = get_device(self.cfg.trainer.device).peak_memory_gb()
+        if peak is not None:
+            self.peaks[phase] = max(peak, self.peaks.get(phase, 0.0))
+
+    def pop_memory(self) -> dict[str, float]:
+        """Peak device memory per phase since the last call (empty on a CPU)."""
+        out, self.peaks = self.peaks, {}
+        return out
+
+    def offload(self, what: list[str]) -> None:
+        """The actor's `what` (params / grads / optimizer) to host memory: train/offload.py."""
+        self._peak("before_offload")
+        self.actor.offload(what)
+
+    def onload(self, what: list[str]) -> None:
+        self.actor.onload(what)
+        self._peak("onload")
 
     def compute_logprobs(self, batch: RolloutBatch) -> Optional[Rows]:
         return self.actor.compute_logprobs(batch)
@@ -98,6 +119,7 @@ class TrainWorker:
             for row, routes in zip(out_rows, unpad_positions(values["routed_experts"], batch.sequence_lengths)):
                 row["routed_experts"] = routes
         self.plane.put(step.partition, [step.keys[i] for i in rows], out_rows, writer=name)
+        self._peak(f"{model}_logprobs")
         metrics = dict(part.metrics)
         if model == "actor":
             gap = rollout_logprob_metrics(batch.rollout_logprobs, values["logprobs"], batch.loss_mask)
@@ -114,6 +136,7 @@ class TrainWorker:
         batch = dataplane.read_batch(self.plane, step, rows, UPDATE_FIELDS)
         minis = [([local[r] for r in share], counts) for share, counts in minis]
         metrics = self.actor.update(batch, minis, tokens=sum(step.sequence_lengths))
+        self._peak("update")
         return {**metrics, **self._plane_counters()}
 
     def _plane_counters(self) -> dict:
@@ -134,17 +157,20 @@ class TrainWorker:
         sender = self.transport.sender(engines, address)
         sums, self.sync_plan = push(self.actor.chunks, sender, bucket_mb << 20, self.sync_plan, checksums=checksums)
         sender.close()
+        self._peak("sync")
         return sums, self.sync_plan.nbytes
 
     def save_hf(self, out_dir: str, shard_mb: int = 2048) -> dict:
         """Write the current weights as HF safetensors shards (one writer per stage); returns
         the writer's weight map (empty on non-writers). For checks and exports, not the loop."""
         from dapo_megatron.weights.export import write_hf_shards
-        return write_hf_shards(self.actor.chunks, out_dir, shard_mb << 20)
+        with self.actor.offloader.onloaded():
+            return write_hf_shards(self.actor.chunks, out_dir, shard_mb << 20)
 
     def save(self, root: str, step: int, trainer_state: dict, keep: int) -> str:
         from dapo_megatron.train.checkpoint import save_checkpoint
-        return save_checkpoint(self.actor, root, step, trainer_state, keep=keep)
+        with self.actor.offloader.onloaded():  # colocated: saved between steps, while offloaded
+            return save_checkpoint(self.actor, root, step, trainer_state, keep=keep)
 
     def load(self, path: str, load_optimizer: bool = True) -> dict:
         from dapo_megatron.train.checkpoint import load_checkpoint
@@ -163,6 +189,21 @@ class TrainGroup:
     def setup(self, total_steps: int) -> dict:
         master = ray.get(self.workers[0].address.remote())
         return self._all([w.setup.remote(master, total_steps) for w in self.workers])[0]
+
+    def offload(self, what: list[str]) -> None:
+        self._all([w.offload.remote(what) for w in self.workers])
+
+    def onload(self, what: list[str]) -> None:
+        self._all([w.onload.remote(what) for w in self.workers])
+
+    def pop_memory(self) -> dict:
+        """memory/device_peak_gb/<phase>: the largest rank's peak in each phase since the last call."""
+        out: dict[str, float] = {}
+        for peaks in self._all([w.pop_memory.remote() for w in self.workers]):
+            for phase, gb in peaks.items():
+                key = f"memory/device_peak_gb/{phase}"
+                out[key] = max(gb, out.get(key, 0.0))
+        return out
 
     def compute_logprobs(self, batch_ref) -> tuple[dict, dict]:
         """({"logprobs": [B, T]} of the actor, joined from every DP rank's rows, plus

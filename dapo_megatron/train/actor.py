@@ -21,11 +21,13 @@ import torch.distributed as dist
 from dapo_megatron.algo import agg_loss, compute_policy_loss, kl_penalty
 from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.config.schema import ActorConfig
+from dapo_megatron.device import get_device
 from dapo_megatron.models import ModelSpec
 from dapo_megatron.models.gpt import _DTYPES
 from dapo_megatron.train import logprobs as lp
 from dapo_megatron.train import microbatch as mb
 from dapo_megatron.train import routing
+from dapo_megatron.train import offload
 from dapo_megatron.train.optim import build_optimizer, build_scheduler, wrap_ddp
 
 # Metrics summed over micro-batches and DP: losses are already shares of the mini-batch loss;
@@ -82,15 +84,34 @@ class Actor:
         self.model = wrap_ddp(chunks, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
         self.optimizer = build_optimizer(self.model, cfg.optim, _DTYPES[dtype])
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
+        self.offloader = offload.Offloader(
+            {"params": offload.module_tensors(self.model), "grads": offload.main_grads(self.model),
+             "optimizer": offload.optimizer_tensors(self.optimizer)}, get_device(), keep=("params", "optimizer"))
+
+    def offload(self, what: list[str]) -> None:
+        """Keep these of `offload.GROUPS` in host memory (colocated placement, while engines generate)."""
+        self.offloader.offload(what)
+
+    def onload(self, what: list[str]) -> None:
+        self.offloader.onload(what)
+
+    def _on_device(self, *what: str) -> None:
+        # An offloaded storage is empty: reading it would crash the process (or read freed
+        # device memory), so the calls that need the state say what is missing instead.
+        missing = [w for w in what if w in self.offloader.offloaded]
+        if missing:
+            raise RuntimeError(f"the actor's {', '.join(missing)} are offloaded (actor.offload); onload them first")
 
     @property
     def chunks(self) -> list:
         """The bare GPTModel chunks (for weight export; same parameters as the DDP-wrapped model)."""
+        self._on_device("params")
         return [m.module for m in self.model]
 
     def compute_logprobs(self, batch: RolloutBatch, with_entropy: bool = False, local: bool = False) -> lp.Rows | None:
         """This rank's rows of the response tokens' log-probs (and entropy) [n, T], or None on a
         rank that reports none (see `logprobs.compute_logprobs`)."""
+        self._on_device("params")
         return lp.compute_logprobs(self.model, self.spec.arch, batch, max_tokens=self.cfg.max_tokens_per_microbatch,
                                    vocab_size=self.spec.vocab_size, temperature=self.temperature,
                                    with_entropy=with_entropy, routes=self.routes, local=local)
@@ -113,6 +134,7 @@ class Actor:
         if self.cfg.use_kl_loss and batch.ref_logprobs is None:
             raise ValueError("actor.use_kl_loss is on but batch.ref_logprobs is None; compute them with the "
                              "reference model or set actor.use_kl_loss=false")
+        self._on_device(*offload.GROUPS)
         start = time.perf_counter()
         self.scheduler.step(1)  # warm-up counts RL steps; step 1 trains with lr / warmup, not 0
         if minis is None:

