@@ -1,4 +1,4 @@
-"""DAPO policy loss: clip-higher, dual clip, truncated importance sampling, loss aggregation.
+"""Policy losses as a table (DAPO, GSPO, GSPO-token, CISPO), rollout correction, loss aggregation.
 
 Shapes: B sequences (responses) by T response tokens. `loss_mask` is 0/1 (bool or numeric); masked
 positions may hold garbage (padding, -inf) and never reach the loss or its gradient.
@@ -12,9 +12,12 @@ multiplied by the DP size.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from dataclasses import dataclass
+from typing import Callable, Optional, Union
 
 import torch
+
+from dapo_megatron.algo.correction import Correction, rollout_correction
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -68,27 +71,106 @@ def agg_loss(loss_mat: torch.Tensor, loss_mask: torch.Tensor, loss_agg_mode: str
     return seq_sums.sum() / torch.as_tensor(count, device=masked.device).clamp(min=1)
 
 
+def _dapo(log_ratio, logprobs, advantages, mask, low, high, clip_c):
+    """Token ratio r = pi / pi_old: max(-A r, -A clamp(r, 1 - low, 1 + high)), and for A < 0 the
+    dual clip's bound -A * clip_c."""
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # [B, T]
+    losses, metrics = _clipped(ratio, advantages, mask, low, high)
+    if clip_c is not None:
+        bound = -advantages * clip_c  # [B, T] or [B, 1]: only binds for A < 0
+        dual_hit = (advantages < 0) & (bound < losses)
+        losses = torch.where(dual_hit, bound, losses)
+        metrics["pg_clipfrac_dual"] = masked_mean(dual_hit.float(), mask)
+    return losses, metrics
+
+
+def _sequence_log_ratio(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """mean_t log(pi / pi_old) over each sequence's tokens: [B, 1] (0 for an empty row)."""
+    return log_ratio.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+
+
+def _gspo(log_ratio, logprobs, advantages, mask, low, high, clip_c):
+    """GSPO: one ratio per sequence, s = exp(mean_t log r), clipped per sequence; every token of
+    the sequence carries the sequence's loss, so seq-mean-token-mean averages sequences."""
+    s = torch.exp(_sequence_log_ratio(log_ratio, mask).clamp(-20.0, 20.0)).expand_as(log_ratio)  # [B, T]
+    return _clipped(s, advantages, mask, low, high)
+
+
+def _gspo_token(log_ratio, logprobs, advantages, mask, low, high, clip_c):
+    """GSPO-token: s_t = sg[s] * pi_t / sg[pi_t]: the value of GSPO's sequence ratio with a
+    per-token gradient, so per-token advantages and any aggregation apply."""
+    seq = _sequence_log_ratio(log_ratio, mask).detach()
+    tok = torch.where(mask, logprobs - logprobs.detach(), torch.zeros_like(logprobs))
+    return _clipped(torch.exp((seq + tok).clamp(-20.0, 20.0)), advantages, mask, low, high)
+
+
+def _cispo(log_ratio, logprobs, advantages, mask, low, high, clip_c):
+    """CISPO: -sg[clamp(r, 1 - low, 1 + high)] * A * log pi. The weight is clipped, not the
+    update: every token, clipped or not, keeps its gradient through log pi."""
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    weight = ratio.clamp(1.0 - low, 1.0 + high).detach()
+    lp = torch.where(mask, logprobs, torch.zeros_like(logprobs))
+    metrics = {"pg_clipfrac": masked_mean((ratio > 1.0 + high).float(), mask),
+               "pg_clipfrac_lower": masked_mean((ratio < 1.0 - low).float(), mask),
+               "pg_clipfrac_dual": torch.zeros((), device=ratio.device)}
+    return -advantages * weight * lp, metrics
+
+
+def _clipped(ratio, advantages, mask, low, high):
+    """max(-A r, -A clamp(r, 1 - low, 1 + high)) and which clip was active."""
+    unclipped = -advantages * ratio  # [B, T]
+    clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)  # [B, T]
+    clip_hit = clipped > unclipped  # the clamp moved r the pessimistic way
+    metrics = {"pg_clipfrac": masked_mean((clip_hit & (advantages > 0)).float(), mask),
+               "pg_clipfrac_lower": masked_mean((clip_hit & (advantages < 0)).float(), mask),
+               "pg_clipfrac_dual": torch.zeros((), device=ratio.device)}
+    return torch.maximum(unclipped, clipped), metrics
+
+
+@dataclass(frozen=True)
+class PolicyLoss:
+    per_token: Callable  # (log_ratio, logprobs, advantages, mask, low, high, clip_c) -> ([B, T] losses, metrics)
+    agg: Optional[str]  # the actor.loss_agg_mode the objective is defined with (None: any)
+
+
+# actor.policy_loss -> its row. The clip ratios are actor.clip_ratio_low / _high in every row
+# (GSPO's paper uses ~3e-4 / 4e-4 on its sequence ratio); the dual clip (clip_ratio_c) is DAPO's.
+POLICY_LOSSES: dict[str, PolicyLoss] = {
+    "dapo": PolicyLoss(_dapo, None),
+    "gspo": PolicyLoss(_gspo, "seq-mean-token-mean"),
+    "gspo_token": PolicyLoss(_gspo_token, None),
+    "cispo": PolicyLoss(_cispo, None),
+}
+
+
 def compute_policy_loss(old_logprobs: torch.Tensor, logprobs: torch.Tensor, advantages: torch.Tensor,
                         loss_mask: torch.Tensor, *, clip_ratio_low: float, clip_ratio_high: float,
                         clip_ratio_c: Optional[float] = None, loss_agg_mode: str = "token-mean",
-                        rollout_logprobs: Optional[torch.Tensor] = None, tis_cap: Optional[float] = None,
+                        policy_loss: str = "dapo", rollout_logprobs: Optional[torch.Tensor] = None,
+                        correction: Optional[Correction] = None,
                         global_token_count: Optional[Count] = None,
                         global_seq_count: Optional[Count] = None) -> tuple[torch.Tensor, dict]:
-    """DAPO clipped surrogate loss. Inputs [B, T]; advantages [B, T] or [B] (broadcast over T).
+    """The policy loss `policy_loss` (POLICY_LOSSES). Inputs [B, T]; advantages [B, T] or [B].
 
-    ratio r = exp(logprobs - old_logprobs); per token: max(-A*r, -A*clamp(r, 1-low, 1+high));
-    with clip_ratio_c, tokens with A < 0 are further bounded by -A*clip_ratio_c (dual clip).
-    With tis_cap, each token is weighted by min(exp(old_logprobs - rollout_logprobs), tis_cap),
-    detached: truncated importance sampling for the rollout engine / trainer mismatch.
+    With `correction` (algo/correction.py) each token's loss is multiplied by its rollout
+    correction factor: an importance weight exp(old - rollout) (truncated or banded), 0 where
+    masked or rejected.
 
     Metrics (detached 0-d tensors; fractions are masked means over this batch's tokens):
       pg_loss            the returned loss (this micro-batch's share under global counts)
-      pg_clipfrac        upper clip active: A > 0 and r > 1 + clip_ratio_high (gradient 0)
-      pg_clipfrac_lower  lower clip active: A < 0 and r < 1 - clip_ratio_low (gradient 0)
-      pg_clipfrac_dual   dual clip active: A < 0 and the loss is bounded by -A * clip_ratio_c
+      pg_clipfrac        upper clip active (A > 0 and r > 1 + clip_ratio_high: gradient 0; CISPO: weight clipped)
+      pg_clipfrac_lower  lower clip active
+      pg_clipfrac_dual   dual clip active: A < 0 and the loss is bounded by -A * clip_ratio_c (dapo)
       ppo_kl             mean of old_logprobs - logprobs
-      tis_weight_mean, tis_clipfrac   (only with tis_cap) mean weight, fraction capped
+      is_weight_mean, is_masked_frac, rejected_frac   (with a correction; algo/correction.py)
     """
+    if policy_loss not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {policy_loss!r}; set actor.policy_loss to one of "
+                         f"{', '.join(POLICY_LOSSES)}")
+    row = POLICY_LOSSES[policy_loss]
+    if row.agg is not None and loss_agg_mode != row.agg:
+        raise ValueError(f"actor.policy_loss={policy_loss} is a sequence-level objective: it needs "
+                         f"actor.loss_agg_mode={row.agg}, got {loss_agg_mode}")
     if clip_ratio_c is not None and clip_ratio_c <= 1.0:
         raise ValueError(f"clip_ratio_c must be > 1 (or None to turn dual clip off), got {clip_ratio_c}; "
                          "set actor.clip_ratio_c")
@@ -97,42 +179,14 @@ def compute_policy_loss(old_logprobs: torch.Tensor, logprobs: torch.Tensor, adva
         advantages = advantages.unsqueeze(-1)  # [B, 1]
     # Zero the log-ratio on padding so exp() cannot overflow there; clamp like verl for the same reason.
     log_ratio = torch.where(mask, logprobs - old_logprobs, torch.zeros_like(logprobs))  # [B, T]
-    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))  # [B, T]
-    unclipped = -advantages * ratio  # [B, T]
-    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)  # [B, T]
-    pg_losses = torch.maximum(unclipped, clipped)  # [B, T]
-    clip_hit = clipped > unclipped  # the clamp moved r the pessimistic way: [B, T]
-    metrics = {
-        "pg_clipfrac": masked_mean((clip_hit & (advantages > 0)).float(), mask),
-        "pg_clipfrac_lower": masked_mean((clip_hit & (advantages < 0)).float(), mask),
-        "pg_clipfrac_dual": torch.zeros((), device=ratio.device),
-    }
-    if clip_ratio_c is not None:
-        bound = -advantages * clip_ratio_c  # [B, T] or [B, 1]: only binds for A < 0
-        dual_hit = (advantages < 0) & (bound < pg_losses)
-        pg_losses = torch.where(dual_hit, bound, pg_losses)
-        metrics["pg_clipfrac_dual"] = masked_mean(dual_hit.float(), mask)
-    if tis_cap is not None:
-        pg_losses = pg_losses * _tis_weights(old_logprobs, rollout_logprobs, mask, tis_cap, metrics)
+    pg_losses, metrics = row.per_token(log_ratio, logprobs, advantages, mask, clip_ratio_low, clip_ratio_high,
+                                       clip_ratio_c)
+    if correction is not None and correction.active:
+        factor, extra = rollout_correction(old_logprobs, rollout_logprobs, mask, correction)
+        pg_losses = pg_losses * factor
+        metrics.update(extra)
     loss = agg_loss(pg_losses, loss_mask, loss_agg_mode,
                     global_token_count=global_token_count, global_seq_count=global_seq_count)
     metrics["pg_loss"] = loss
     metrics["ppo_kl"] = masked_mean(-log_ratio, mask)
     return loss, {k: v.detach() for k, v in metrics.items()}
-
-
-def _tis_weights(old_logprobs: torch.Tensor, rollout_logprobs: Optional[torch.Tensor], mask: torch.Tensor,
-                 tis_cap: float, metrics: dict) -> torch.Tensor:
-    """min(exp(old - rollout), cap), detached [B, T]; records tis_weight_mean and tis_clipfrac."""
-    if tis_cap <= 0:
-        raise ValueError(f"tis_cap must be > 0 (or None to turn TIS off), got {tis_cap}; set actor.tis_cap")
-    if rollout_logprobs is None:
-        raise ValueError("tis_cap is set but no rollout_logprobs were given; the rollout engine must return "
-                         "log-probs, or set actor.tis_cap=null")
-    with torch.no_grad():
-        log_w = torch.where(mask, old_logprobs - rollout_logprobs, torch.zeros_like(old_logprobs))
-        raw = torch.exp(log_w.clamp(max=20.0))  # [B, T]
-        weights = raw.clamp(max=tis_cap)
-        metrics["tis_weight_mean"] = masked_mean(weights, mask)
-        metrics["tis_clipfrac"] = masked_mean((raw > tis_cap).float(), mask)
-    return weights

@@ -69,6 +69,20 @@ class OffloadConfig:
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Engine vs trainer mismatch, rho = pi_old / pi_rollout per token (algo/correction.py; verl's
+    algorithm.rollout_correction). The one home of rollout correction."""
+    is_level: Optional[str] = None  # importance weights: token | sequence | geometric; null: none
+    is_mode: str = "truncate"  # truncate: weights clamped at is_threshold; mask: zero outside the band
+    is_threshold: float = 2.0  # the weights' upper bound (truncate) or the band's top (mask)
+    is_threshold_lower: Optional[float] = None  # mask: the band's bottom; null: 1 / is_threshold
+    rs: Optional[str] = None  # rejection: token_k1 ... seq_max_k3 (aggregation_estimator); null: none
+    rs_threshold: Optional[float] = None  # k1: the ratio's upper bound; k2 / k3: the divergence's
+    rs_threshold_lower: Optional[float] = None  # k1: the ratio's lower bound; null: 1 / rs_threshold
+    veto_threshold: Optional[float] = None  # drop a sequence with any rho below this; null: off
+
+
+@dataclass
 class ActorConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -79,7 +93,8 @@ class ActorConfig:
     clip_ratio_high: float = 0.28
     clip_ratio_c: Optional[float] = 10.0  # dual clip bound for negative advantages; null: off
     loss_agg_mode: str = "token-mean"
-    tis_cap: Optional[float] = None  # truncated importance sampling vs rollout_logprobs; null: off
+    policy_loss: str = "dapo"  # dapo | gspo (needs seq-mean-token-mean) | gspo_token | cispo (algo/loss.py)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001

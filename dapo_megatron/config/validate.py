@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from dapo_megatron.algo import KL_KINDS, LOSS_AGG_MODES, ON_EXHAUSTED
+from dapo_megatron.algo import IS_LEVELS, IS_MODES, KL_KINDS, LOSS_AGG_MODES, ON_EXHAUSTED, POLICY_LOSSES, RS_CRITERIA
 from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.config.schema import DapoConfig, ParallelConfig
 from dapo_megatron.device import get_device
@@ -25,6 +25,10 @@ CHOICES: dict[str, tuple] = {
     "trainer.device": ("auto", "cuda", "npu", "cpu"),
     "trainer.placement": ("colocated", "split"),
     "actor.loss_agg_mode": tuple(LOSS_AGG_MODES),
+    "actor.policy_loss": tuple(POLICY_LOSSES),
+    "actor.rollout_correction.is_level": (None, *IS_LEVELS),
+    "actor.rollout_correction.is_mode": IS_MODES,
+    "actor.rollout_correction.rs": (None, *RS_CRITERIA),
     "actor.kl_loss_type": tuple(KL_KINDS),
     "actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
     "actor.recompute_granularity": ("", "full", "selective"),
@@ -123,13 +127,33 @@ def _check_algorithm(cfg: DapoConfig) -> None:
              f"actor.clip_ratio_high must be >= 0, got {a.clip_ratio_high}")
     _require(a.clip_ratio_c is None or a.clip_ratio_c > 1.0, "actor.clip_ratio_c",
              f"actor.clip_ratio_c must be > 1 (or null to turn dual clip off), got {a.clip_ratio_c}")
-    _require(a.tis_cap is None or a.tis_cap > 0, "actor.tis_cap", "actor.tis_cap must be > 0 or null")
+    needs = POLICY_LOSSES[a.policy_loss].agg
+    _require(needs is None or a.loss_agg_mode == needs, "actor.loss_agg_mode",
+             f"actor.policy_loss={a.policy_loss} is a sequence-level objective: set actor.loss_agg_mode={needs} "
+             f"(got {a.loss_agg_mode}), or actor.policy_loss=gspo_token for its token form")
+    _check_correction(a.rollout_correction)
     d = cfg.data
     _require(d.gen_batch_size >= d.train_batch_size, "data.gen_batch_size",
              f"data.gen_batch_size ({d.gen_batch_size}) must be >= data.train_batch_size ({d.train_batch_size})")
     _require(d.train_batch_size % a.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
              f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size}) must divide data.train_batch_size "
              f"({d.train_batch_size})")
+
+
+def _check_correction(c) -> None:
+    k = "actor.rollout_correction."
+    for name in ("is_threshold", "is_threshold_lower", "rs_threshold", "rs_threshold_lower", "veto_threshold"):
+        value = getattr(c, name)
+        _require(value is None or value > 0, k + name, f"{k}{name} must be > 0 or null, got {value}")
+    lower = c.is_threshold_lower if c.is_threshold_lower is not None else 1.0 / c.is_threshold
+    _require(c.is_mode != "mask" or lower < c.is_threshold, k + "is_threshold_lower",
+             f"{k}is_threshold_lower ({lower}) must be below {k}is_threshold ({c.is_threshold})")
+    if c.rs is not None:
+        _require(c.rs_threshold is not None, k + "rs_threshold", f"{k}rs={c.rs} needs {k}rs_threshold")
+        lower = c.rs_threshold_lower if c.rs_threshold_lower is not None else 1.0 / c.rs_threshold
+        _require(not c.rs.endswith("k1") or lower < c.rs_threshold, k + "rs_threshold_lower",
+                 f"{k}rs_threshold_lower ({lower}) must be below {k}rs_threshold ({c.rs_threshold}): a k1 "
+                 f"criterion bounds the ratio from both sides")
 
 
 def role_devices(cfg: DapoConfig) -> dict[str, int]:

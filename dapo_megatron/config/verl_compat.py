@@ -143,11 +143,51 @@ def _max_positions(value: str) -> list[str]:
     return [f"rollout.engine_kwargs.hf_overrides.max_position_embeddings={_bare(value)}"]
 
 
+_RC = "actor.rollout_correction."
+# verl's first rejection API named the aggregation alone and bounded the ratio: our k1 criteria.
+_OLD_RS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
+_LOSS_MODES = {"vanilla": ["actor.policy_loss=dapo"], "cispo": ["actor.policy_loss=cispo"],
+               # verl runs its GSPO (the token form) with seq-mean-token-mean forced: our gspo, said aloud
+               "gspo": ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"]}
+
+
+def _is_null(value: str) -> bool:
+    return _bare(value).lower() in ("null", "none", "")
+
+
 def _rollout_is(value: str) -> list[str]:
-    if _bare(value).lower() not in ("token", "null", "none", ""):
-        raise ValueError(f"rollout_is={_bare(value)}: only token-level truncated importance sampling is "
-                         f"implemented (actor.tis_cap=<threshold>); sequence-level weights are not")
-    return []
+    level = _bare(value).lower()
+    if _is_null(level):
+        return []
+    if level not in ("token", "sequence"):
+        raise ValueError(f"rollout_is={_bare(value)} is not one of token, sequence (actor.rollout_correction.is_level)")
+    return [f"{_RC}is_level={level}"]
+
+
+def _threshold(prefix: str, value: str) -> list[str]:
+    """verl's threshold: a float (an upper bound) or "lower_upper" (a band)."""
+    lower, sep, upper = _bare(value).partition("_")
+    return [f"{prefix}_lower={float(lower)}", f"{prefix}={float(upper)}"] if sep else [f"{prefix}={float(lower)}"]
+
+
+def _rollout_rs(value: str) -> list[str]:
+    rs = _bare(value).lower()
+    if _is_null(rs):
+        return []
+    rs = _OLD_RS.get(rs, rs)
+    from dapo_megatron.algo import RS_CRITERIA
+    if rs not in RS_CRITERIA:
+        raise ValueError(f"rollout_rs={_bare(value)} is not one of {', '.join((*_OLD_RS, *RS_CRITERIA))} "
+                         f"(actor.rollout_correction.rs); one criterion at a time")
+    return [f"{_RC}rs={rs}"]
+
+
+def _loss_mode(value: str) -> list[str]:
+    mode = _bare(value).lower()
+    if mode not in _LOSS_MODES:
+        raise ValueError(f"policy_loss.loss_mode={_bare(value)} is not one of {', '.join(_LOSS_MODES)} "
+                         f"(actor.policy_loss: dapo, gspo, gspo_token, cispo)")
+    return _LOSS_MODES[mode]
 
 
 _ROUTER_REPLAY = {"disabled": "off", "r2": "actor", "r3": "rollout"}
@@ -181,6 +221,12 @@ VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     _M + "override_config.max_position_embeddings": _max_positions,
     _M + "override_config.model_config.max_position_embeddings": _max_positions,
     "algorithm.rollout_correction.rollout_is": _rollout_is,
+    "algorithm.rollout_correction.rollout_rs": _rollout_rs,
+    "algorithm.rollout_correction.rollout_rs_threshold": lambda v: _threshold(f"{_RC}rs_threshold", v),
+    "algorithm.rollout_correction.rollout_rs_threshold_lower": lambda v: [f"{_RC}rs_threshold_lower={float(_bare(v))}"],
+    "algorithm.rollout_correction.rollout_token_veto_threshold": lambda v: (
+        [] if _is_null(v) else [f"{_RC}veto_threshold={float(_bare(v))}"]),
+    _A + "policy_loss.loss_mode": _loss_mode,
     **{_A + home + "router_replay.mode": _router_replay for home in ("", "megatron.", "mindspeed.")},
 }
 # Rules whose outcome must win over a key they override (Hydra keeps the last value).
@@ -205,8 +251,9 @@ FIXED_VALUES: dict[str, tuple[str, str]] = {
                                             "algorithm.kl_ctrl.kl_coef=0"),
     "algorithm.filter_groups.fill_to_train_bsz": ("true", "dynamic sampling always fills data.train_batch_size "
                                                           "(within algorithm.filter_groups.max_num_gen_batches)"),
-    "algorithm.rollout_correction.rollout_is_batch_normalize": ("false", "IS weights are truncated, not "
-                                                                         "normalised (actor.tis_cap)"),
+    "algorithm.rollout_correction.rollout_is_batch_normalize": ("false", "IS weights are truncated or banded, "
+                                                                         "not normalised to a batch mean of 1 "
+                                                                         "(actor.rollout_correction)"),
     "data.return_raw_chat": ("true", "the driver applies the chat template itself"),
     "data.reward_fn_key": ("data_source", "the reward is chosen by each row's data_source"),
     _M + "trust_remote_code": ("false", "only the model types dapo-megatron builds itself are supported"),
@@ -282,8 +329,6 @@ UNSUPPORTED: list[tuple[re.Pattern, str]] = [(re.compile(rx), why) for rx, why i
     (r"^actor_rollout_ref\.actor\.megatron\.override_transformer_config\.num_layers_in_(first|last)_pipeline_stage$",
      "uneven pipeline stages are not supported; choose actor.parallel.pp dividing the layer count "
      "(or actor.parallel.vpp)"),
-    (r"^algorithm\.rollout_correction\.(rollout_rs.*|rollout_token_veto_threshold)$",
-     "rollout rejection sampling is not implemented; truncated importance sampling is (actor.tis_cap)"),
     (r"^actor_rollout_ref\.model\.override_config\..*$",
      "model config overrides other than zero dropout and max_position_embeddings are not applied; edit the "
      "model's config.json instead"),
@@ -358,8 +403,24 @@ def resolve(overrides: list[str]) -> list[Outcome]:
         items.append((item, key, value))
     values = {key: _bare(value) for _, key, value in items}
     return [_cross_key(key, value, values) if key in SAME_AS or key in _CROSS_KEYS
-            else _resolve_one(key, value) if is_verl_key(key) else Outcome(key, value, "ours", (item,))
-            for item, key, value in items]
+            else _added_key(item, _resolve_one(key, value)) if is_verl_key(key)
+            else Outcome(key, value, "ours", (item,)) for item, key, value in items]
+
+
+# Where a `+`-added key is handed on to code that reads it (a reward function's kwargs, a model or
+# engine override): an unknown one there may matter, so it stays refused.
+_PASSED_ON = re.compile(r"\.(reward_kwargs|override_config|override_transformer_config|engine_kwargs)\.")
+
+
+def _added_key(item: str, outcome: Outcome) -> Outcome:
+    """A key that verl's config does not define, added with `+` (or `++`) and read by no verl code
+    (recipes carry such leftovers, e.g. `+actor_rollout_ref.critic.optim.lr`): ignored with one
+    warning, where a key verl defines and we do not know stays refused."""
+    generic = outcome.action == "refused" and "has no dapo-megatron equivalent" in (outcome.reason or "")
+    if generic and item.startswith("+") and not _PASSED_ON.search(outcome.key):
+        return Outcome(outcome.key, outcome.value, "ignored", warn=True,
+                       reason="added with + and not a key of verl's config: verl itself never reads it")
+    return outcome
 
 
 _CROSS_KEYS = ("custom_reward_function.path", "custom_reward_function.name", "algorithm.use_kl_in_reward",
@@ -380,8 +441,10 @@ def _cross_key(key: str, value: str, values: dict[str, str]) -> Outcome:
             return Outcome(key, value, "accepted", reason="algorithm.kl_ctrl.kl_coef=0: no KL in the reward")
         return _resolve_one(key, value)
     if key == "algorithm.rollout_correction.rollout_is_threshold":
-        if values.get("algorithm.rollout_correction.rollout_is", "").lower() == "token":
-            return Outcome(key, value, "translated", (f"actor.tis_cap={v}",))
+        if not _is_null(values.get("algorithm.rollout_correction.rollout_is", "")):
+            band = "_" in v  # "lower_upper": IcePop's band, tokens outside it masked
+            return Outcome(key, value, "translated",
+                           tuple(_threshold(f"{_RC}is_threshold", v)) + ((f"{_RC}is_mode=mask",) if band else ()))
         return Outcome(key, value, "ignored", reason="no effect without algorithm.rollout_correction.rollout_is",
                        warn=True)
     if "custom_reward_function.path" not in values:

@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.algo import agg_loss, compute_policy_loss, kl_penalty
+from dapo_megatron.algo import Correction, agg_loss, compute_policy_loss, kl_penalty
 from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.config.schema import ActorConfig
 from dapo_megatron.device import get_device
@@ -33,8 +33,8 @@ from dapo_megatron.train.optim import build_optimizer, build_scheduler, wrap_ddp
 # Metrics summed over micro-batches and DP: losses are already shares of the mini-batch loss;
 # fractions are weighted by the micro-batch's token count and divided by the total at the end.
 _SUMMED = ("pg_loss", "entropy", "kl_loss")
-_TOKEN_WEIGHTED = ("pg_clipfrac", "pg_clipfrac_lower", "pg_clipfrac_dual", "ppo_kl", "tis_weight_mean",
-                   "tis_clipfrac")
+_CORRECTION = ("is_weight_mean", "is_masked_frac", "rejected_frac")  # algo/correction.py's
+_TOKEN_WEIGHTED = ("pg_clipfrac", "pg_clipfrac_lower", "pg_clipfrac_dual", "ppo_kl") + _CORRECTION
 _KEYS = _SUMMED + _TOKEN_WEIGHTED + ("tokens",)
 
 
@@ -71,6 +71,10 @@ class Actor:
     def __init__(self, cfg: ActorConfig, hf_dir: str, *, spec: ModelSpec | None = None, n: int = 1,
                  total_steps: int = 1, dtype: str = "fp32", temperature: float = 1.0, load_weights: bool = True):
         self.cfg, self.n, self.temperature = cfg, n, temperature
+        self.correction = Correction(**vars(cfg.rollout_correction))
+        c = self.correction  # the metrics of the correction's parts that are on
+        self._correction_metrics = (("is_weight_mean", "is_masked_frac") if c.is_level else ()) + (
+            ("rejected_frac",) if c.rs or c.veto_threshold else ())
         self.spec = spec = spec or ModelSpec.from_pretrained(hf_dir)
         p = cfg.parallel  # config/validate.check_parallel_fits_model explains this rule to users
         assert not (spec.is_moe and p.tp > 1 and p.ep == 1 and p.etp != p.tp), "MoE with tp > 1, ep 1 needs etp == tp"
@@ -168,9 +172,9 @@ class Actor:
             raise RuntimeError("the optimizer step was skipped (non-finite gradients)")
         totals = self._reduce_metrics(results)
         out = {f"actor/{k}": totals[k] for k in _SUMMED if k != "kl_loss" or self.cfg.use_kl_loss}
-        for k in _TOKEN_WEIGHTED:
-            if not k.startswith("tis") or self.cfg.tis_cap is not None:
-                out[f"actor/{k}"] = totals[k] / max(totals["tokens"], 1.0)
+        for k in _TOKEN_WEIGHTED:  # the correction's own metrics where its parts are on
+            if k not in _CORRECTION or k in self._correction_metrics:
+                out[f"{'rollout' if k == 'rejected_frac' else 'actor'}/{k}"] = totals[k] / max(totals["tokens"], 1.0)
         out["actor/grad_norm"] = float(grad_norm)
         if agree is not None:
             out["actor/router_agreement"] = agree
@@ -190,8 +194,8 @@ class Actor:
         pg_loss, m = compute_policy_loss(
             micro.old_logprobs.to(dev), logprobs, micro.advantages.to(dev), mask,  # advantages [b]
             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
-            loss_agg_mode=cfg.loss_agg_mode, rollout_logprobs=None if rollout is None else rollout.to(dev),
-            tis_cap=cfg.tis_cap, **glob)
+            loss_agg_mode=cfg.loss_agg_mode, policy_loss=cfg.policy_loss,
+            rollout_logprobs=None if rollout is None else rollout.to(dev), correction=self.correction, **glob)
         ent_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **glob)
         loss = pg_loss - cfg.entropy_coeff * ent_loss
         ntok = mask.sum()

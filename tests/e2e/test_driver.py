@@ -135,7 +135,13 @@ def chunked(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
     return Finished(out, _rows(out))
 
 
-TP2 = {"actor.parallel.tp": 2, "actor.parallel.ep": 1, "actor.parallel.etp": 2}
+# The TP2 runs also train with GSPO (its sequence-level aggregation) under a rollout correction:
+# geometric-mean IS weights masked outside a band, sequences rejected by a k3 bound.
+TP2 = {"actor.parallel.tp": 2, "actor.parallel.ep": 1, "actor.parallel.etp": 2,
+       "actor.policy_loss": "gspo", "actor.loss_agg_mode": "seq-mean-token-mean",
+       "actor.rollout_correction.is_level": "geometric", "actor.rollout_correction.is_mode": "mask",
+       "actor.rollout_correction.is_threshold": 1.5, "actor.rollout_correction.rs": "seq_mean_k3",
+       "actor.rollout_correction.rs_threshold": 0.01}
 
 
 @pytest.fixture(scope="module")
@@ -269,6 +275,10 @@ def test_killed_engine_is_a_clear_error_not_a_hang(tp2_killed):
     # The TP2 / ETP2 actor's sync into the TP1 engine (checksums compared): the engine sampled
     # with the weights the actor scored with.
     assert tp2_killed.rows[0]["rollout/logprob_diff_max"] < 1e-2
+    # GSPO under the correction: its metrics, in range (fp32 engine and trainer: nearly nothing to drop)
+    row = tp2_killed.rows[0]
+    assert 0.9 < row["actor/is_weight_mean"] < 1.1 and row["actor/is_masked_frac"] == 0.0, row
+    assert 0.0 <= row["rollout/rejected_frac"] < 0.5 and 0.0 <= row["actor/pg_clipfrac"] <= 1.0, row
 
 
 def test_ranks_read_their_share_at_dp2_and_the_same_rows_at_tp2(whole, tp2_killed):

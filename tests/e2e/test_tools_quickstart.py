@@ -21,7 +21,9 @@ def test_tools_quickstart_two_steps_early_stop(tool_assets, tmp_path):
         "data.train_batch_size": 4, "data.gen_batch_size": 6, "rollout.n": 4, "actor.ppo_mini_batch_size": 2,
         "algorithm.filter_groups.mode": "early_stop", "trainer.total_training_steps": 2, "trainer.save_freq": 2,
         "trainer.test_freq": 2, "trainer.val_before_train": "false", "trainer.default_local_dir": str(out),
-        "trainer.logger": "[console,jsonl]"}
+        "trainer.logger": "[console,jsonl]",
+        # CISPO with token-level truncated importance weights: the loss table's REINFORCE-style row
+        "actor.policy_loss": "cispo", "actor.rollout_correction.is_level": "token"}
     import ray
     try:
         assert main(["--config-name", "quickstart_tools", *[f"{k}={v}" for k, v in overrides.items()]]) == 0
@@ -36,5 +38,6 @@ def test_tools_quickstart_two_steps_early_stop(tool_assets, tmp_path):
         # Old log-probs on the model's tokens equal the engine's: the masked tool tokens are in
         # the sequence the actor scores, exactly where the engine had them.
         assert r["rollout/logprob_diff_max"] < 1e-3
+        assert 0.9 < r["actor/is_weight_mean"] <= 2.0 and r["actor/grad_norm"] > 0
     assert (out / "checkpoints" / "step_2").is_dir()
     assert any("val/" in k for r in rows for k in r)

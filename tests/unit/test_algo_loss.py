@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from dapo_megatron.algo import LOSS_AGG_MODES, agg_loss, compute_policy_loss, loss_normalizer_counts, masked_mean
+from dapo_megatron.algo import (LOSS_AGG_MODES, Correction, agg_loss, compute_policy_loss, loss_normalizer_counts,
+                                masked_mean)
 
 NAN = float("nan")
 # Row 0 full, row 1 one token, row 2 empty; garbage (NaN) in a masked slot must not leak.
@@ -92,14 +93,15 @@ def test_truncated_importance_sampling():
     zeros = torch.zeros(1, 2)
     rollout = torch.tensor([[-math.log(2.0), math.log(2.0)]])  # weights exp(0 - rollout) = 2 -> cap 1.5, 0.5
     kwargs = dict(clip_ratio_low=0.2, clip_ratio_high=0.28)
+    tis = Correction(is_level="token", is_threshold=1.5)
     loss, m = compute_policy_loss(zeros, zeros, torch.ones(1), torch.ones(1, 2), rollout_logprobs=rollout,
-                                  tis_cap=1.5, **kwargs)
+                                  correction=tis, **kwargs)
     assert loss.item() == pytest.approx((-1.5 - 0.5) / 2)
-    assert m["tis_weight_mean"].item() == pytest.approx(1.0) and m["tis_clipfrac"].item() == pytest.approx(0.5)
+    assert m["is_weight_mean"].item() == pytest.approx(1.0) and m["is_masked_frac"].item() == 0
     plain, m = compute_policy_loss(zeros, zeros, torch.ones(1), torch.ones(1, 2), rollout_logprobs=rollout, **kwargs)
-    assert plain.item() == pytest.approx(-1.0) and "tis_weight_mean" not in m
-    with pytest.raises(ValueError, match=r"actor\.tis_cap"):
-        compute_policy_loss(zeros, zeros, torch.ones(1), torch.ones(1, 2), tis_cap=1.5, **kwargs)
+    assert plain.item() == pytest.approx(-1.0) and "is_weight_mean" not in m
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        compute_policy_loss(zeros, zeros, torch.ones(1), torch.ones(1, 2), correction=tis, **kwargs)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)

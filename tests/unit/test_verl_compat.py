@@ -68,7 +68,28 @@ TRANSLATED = [
     (["+actor_rollout_ref.model.override_config.max_position_embeddings=32768"], "rollout.engine_kwargs",
      {"hf_overrides": {"max_position_embeddings": 32768}}),
     (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=2.0"],
-     "actor.tis_cap", 2.0),
+     "actor.rollout_correction.is_threshold", 2.0),
+    (["algorithm.rollout_correction.rollout_is=sequence"], "actor.rollout_correction.is_level", "sequence"),
+    # IcePop's band: a "lower_upper" threshold masks outside it
+    (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0"],
+     "actor.rollout_correction.is_mode", "mask"),
+    (["algorithm.rollout_correction.rollout_is=token", "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0"],
+     "actor.rollout_correction.is_threshold_lower", 0.5),
+    # verl's first rejection API (R06: geometric, ratio bounds 0.99 / 1.01, a veto) and its newer names
+    (["algorithm.rollout_correction.rollout_rs=geometric", "algorithm.rollout_correction.rollout_rs_threshold=1.01",
+      "algorithm.rollout_correction.rollout_rs_threshold_lower=0.99"], "actor.rollout_correction.rs", "seq_mean_k1"),
+    (["algorithm.rollout_correction.rollout_rs=geometric", "algorithm.rollout_correction.rollout_rs_threshold=1.01",
+      "algorithm.rollout_correction.rollout_rs_threshold_lower=0.99"], "actor.rollout_correction.rs_threshold_lower",
+     0.99),
+    (["algorithm.rollout_correction.rollout_token_veto_threshold=1e-4"], "actor.rollout_correction.veto_threshold",
+     1e-4),
+    (["algorithm.rollout_correction.rollout_rs=seq_mean_k3", "algorithm.rollout_correction.rollout_rs_threshold=0.005"],
+     "actor.rollout_correction.rs_threshold", 0.005),
+    (["algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=0.5_1.5"],
+     "actor.rollout_correction.rs_threshold_lower", 0.5),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=cispo"], "actor.policy_loss", "cispo"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], "actor.loss_agg_mode", "seq-mean-token-mean"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"], "actor.policy_loss", "dapo"),
     (["data.train_files=/data/a.parquet"], "data.train_files", ["/data/a.parquet"]),  # verl takes one file bare
     (["actor_rollout_ref.actor.megatron.router_replay.mode=R2"], "actor.router_replay", "actor"),
     (["+actor_rollout_ref.actor.router_replay.mode=disabled"], "actor.router_replay", "off"),
@@ -148,7 +169,9 @@ IGNORED = ["actor_rollout_ref.actor.fsdp_config.param_offload=True", "+actor_rol
            "+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True",
            "actor_rollout_ref.rollout.max_model_len=22528", "++transfer_queue.controller.polling_mode=True",
            "+data.min_response_length=4096", "trainer.log_val_generations=10",
-           "algorithm.rollout_correction.rollout_is_threshold=2.0"]  # no effect without rollout_is
+           "algorithm.rollout_correction.rollout_is_threshold=2.0",  # no effect without rollout_is
+           # `+`-added keys that verl's config lacks and no verl code reads (the 2025 NPU recipe's)
+           "+actor_rollout_ref.critic.optim.lr=5e-8", "+actor_rollout_ref.rollout.rollout_world_size=16"]
 
 
 @pytest.mark.parametrize("item", IGNORED)
@@ -171,8 +194,9 @@ REFUSED = [
     (["+actor_rollout_ref.actor.megatron.override_transformer_config.fp8=e4m3"], "bf16"),
     (["+actor_rollout_ref.actor.megatron.override_transformer_config.num_layers_in_first_pipeline_stage=3"],
      "actor.parallel.pp"),
-    (["algorithm.rollout_correction.rollout_is=sequence"], "actor.tis_cap"),
-    (["algorithm.rollout_correction.rollout_rs=geometric"], "actor.tis_cap"),
+    (["algorithm.rollout_correction.rollout_rs=seq_max_k1"], "actor.rollout_correction.rs"),
+    (["algorithm.rollout_correction.rollout_is_batch_normalize=True"], "actor.rollout_correction"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov"], "actor.policy_loss"),
     (["actor_rollout_ref.model.lora_rank=8"], "LoRA"),
     (["+reward_model.reward_kwargs.format_score=0.1"], "no dapo-megatron equivalent"),
     (["actor_rollout_ref.actor.megatron.dtype=int8"], "bfloat16"),
