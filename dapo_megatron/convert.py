@@ -18,11 +18,7 @@ import re
 import shutil
 import sys
 
-HF_SUBDIR = "hf"  # config + tokenizer files inside a Megatron checkpoint dir
 META_FILE = "dapo_megatron.json"  # layout and dtype the checkpoint was written with
-HF_AUX_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                "special_tokens_map.json", "vocab.json", "merges.txt", "tokenizer.model",
-                "added_tokens.json", "chat_template.jinja", "chat_template.json")
 _DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 _TORCH_NAMES = {v: k for k, v in _DTYPE_NAMES.items()}
 _OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")  # a training checkpoint's Adam state
@@ -229,10 +225,8 @@ def _publish(tmp: str, out: str) -> None:
 
 def _copy_aux(src: str, dst: str, dtype: str | None = None) -> None:
     """Copy config / tokenizer files; with `dtype`, record it in config.json."""
-    os.makedirs(dst, exist_ok=True)
-    for name in HF_AUX_FILES:
-        if os.path.exists(os.path.join(src, name)):
-            shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
+    from dapo_megatron.weights import hf_io
+    hf_io.copy_hf_files(src, dst)
     if dtype:
         path = os.path.join(dst, "config.json")
         cfg = _read_json(path)
@@ -267,6 +261,20 @@ def _ckpt_dtype(ckpt: str, hf_config: str) -> str:
     return _read_json(meta, "dtype")
 
 
+def _no_hf_files(ckpt: str) -> str:
+    """A checkpoint without its hf/ folder (written before training checkpoints carried one): say
+    which flag to add, and the model the run trained from when its config.yaml says."""
+    run_config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(ckpt))), "config.yaml")
+    model = ""
+    if os.path.exists(run_config):
+        from omegaconf import OmegaConf
+        model = str(OmegaConf.select(OmegaConf.load(run_config), "model.path", default="") or "")
+    hint = f" (the run's {run_config} says model.path={model})" if model else ""
+    from dapo_megatron.weights import hf_io
+    return (f"{ckpt} has no {hf_io.HF_SUBDIR}/ folder with the model's config and tokenizer: pass --hf-config <the HF "
+            f"folder of the model it was trained from>{hint}")
+
+
 def _check_hf_dir(hf_dir: str) -> None:
     if not os.path.isdir(hf_dir):
         raise UsageError(f"HF checkpoint dir {hf_dir} does not exist")
@@ -277,6 +285,7 @@ def _check_hf_dir(hf_dir: str) -> None:
 def hf_to_mcore(args) -> str:
     from dapo_megatron.models import ModelSpec
     from dapo_megatron.train.parallel import run_workers
+    from dapo_megatron.weights import hf_io
     from dapo_megatron.weights.load import check_hf_checkpoint
     _check_hf_dir(args.hf_dir)
     spec = ModelSpec.from_pretrained(args.hf_dir)
@@ -288,7 +297,7 @@ def hf_to_mcore(args) -> str:
         world = world_for_layout(layout)
         run_workers(_hf_to_mcore_worker, world, os.path.abspath(args.hf_dir), spec, tmp, layout, dtype,
                     pick_device(args.device, world), timeout_s=args.timeout)
-        _copy_aux(args.hf_dir, os.path.join(tmp, HF_SUBDIR), dtype)
+        _copy_aux(args.hf_dir, os.path.join(tmp, hf_io.HF_SUBDIR), dtype)
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump({"format": "megatron-core dist_checkpointing torch_dist", "layout": layout,
                        "dtype": dtype, "state_dict_key": "model"}, f, indent=2)
@@ -302,10 +311,13 @@ def mcore_to_hf(args) -> str:
     from dapo_megatron.models import ModelSpec
     from dapo_megatron.train import integrity
     from dapo_megatron.train.parallel import run_workers
+    from dapo_megatron.weights import hf_io
     from dapo_megatron.weights.hf_io import finalize_shards
     if not os.path.isdir(args.ckpt) or not os.path.exists(os.path.join(args.ckpt, "metadata.json")):
         raise UsageError(f"{args.ckpt} is not a Megatron dist checkpoint (no metadata.json)")
-    hf_config = args.hf_config or os.path.join(args.ckpt, HF_SUBDIR)
+    hf_config = args.hf_config or os.path.join(args.ckpt, hf_io.HF_SUBDIR)
+    if not args.hf_config and not os.path.isdir(hf_config):
+        raise UsageError(_no_hf_files(args.ckpt))
     _check_hf_dir(hf_config)
     dtype = _ckpt_dtype(args.ckpt, hf_config) if args.dtype == "keep" else args.dtype
     spec = ModelSpec.from_pretrained(hf_config)  # read once here; the workers get it with their arguments

@@ -138,6 +138,7 @@ def _batch_metrics(step, metrics: dict, plane) -> dict:
 
 def run(cfg: DapoConfig) -> int:
     ctx = setup.prepare(cfg)
+    setup.write_config(cfg, ctx.out_dir)
     run_ = Run(cfg, ctx, PromptSampler(len(ctx.train_data), shuffle=cfg.data.shuffle, seed=cfg.data.seed),
                DynamicSampler(cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches,
                               cfg.algorithm.filter_groups.on_exhausted, cfg.algorithm.filter_groups.enable),

@@ -118,6 +118,17 @@ def prepare(cfg: DapoConfig) -> Context:
                    dataplane.connect(handle), cfg.trainer.default_local_dir, total, stops)
 
 
+def write_config(cfg: DapoConfig, out_dir: str) -> None:
+    """The run's resolved config as <run dir>/config.yaml (written atomically): what the run was;
+    `convert mcore-to-hf` names its model.path when a checkpoint lacks its hf/ folder."""
+    from omegaconf import OmegaConf
+    os.makedirs(out_dir, exist_ok=True)
+    tmp = os.path.join(out_dir, ".config.yaml.tmp")
+    with open(tmp, "w") as f:
+        f.write(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    os.replace(tmp, os.path.join(out_dir, "config.yaml"))
+
+
 def _absolute_custom_fn(cfg: DapoConfig) -> DapoConfig:
     """reward.custom_fn's file as an absolute path: the reward worker may run in another directory."""
     path, sep, name = cfg.reward.custom_fn.rpartition(":")

@@ -169,8 +169,11 @@ class TrainWorker:
 
     def save(self, root: str, step: int, trainer_state: dict, keep: int) -> str:
         from dapo_megatron.train.checkpoint import save_checkpoint
+        from dapo_megatron.assets import resolve_asset_path
+        tokenizer = resolve_asset_path(self.cfg.model.tokenizer_path) if self.cfg.model.tokenizer_path else None
         with self.actor.offloader.onloaded():  # colocated: saved between steps, while offloaded
-            return save_checkpoint(self.actor, root, step, trainer_state, keep=keep)
+            return save_checkpoint(self.actor, root, step, trainer_state, keep=keep,
+                                   hf_files=(self.model_path, tokenizer))
 
     def load(self, path: str, load_optimizer: bool = True) -> dict:
         from dapo_megatron.train.checkpoint import load_checkpoint

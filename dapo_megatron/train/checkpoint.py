@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.train.integrity import check, write_manifest
-from dapo_megatron.weights.hf_io import CheckpointError
+from dapo_megatron.weights.hf_io import HF_SUBDIR, CheckpointError, copy_hf_files
 
 _OPTIM_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 _PREFIX = "step_"
@@ -196,10 +196,13 @@ def _prune(root: str, keep: int, protect: str) -> None:
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
 
 
-def save_checkpoint(actor, root: str, step: int, trainer_state: dict, *, keep: int = 2) -> str:
+def save_checkpoint(actor, root: str, step: int, trainer_state: dict, *, keep: int = 2,
+                    hf_files: tuple[str, str | None] | None = None) -> str:
     """Save the actor and `trainer_state` as `<root>/step_<step>`; collective over all ranks.
 
     `keep` (trainer.max_checkpoints_to_keep) newest step folders are kept; <= 0 keeps all.
+    `hf_files`: (model dir, tokenizer dir or None) whose config, generation config, tokenizer and
+    chat template go into `<step>/hf/`, so that `convert mcore-to-hf --ckpt <step>` needs no flag.
     """
     rank = dist.get_rank()
     final, tmp = step_dir(root, step), os.path.join(root, f".tmp-{_PREFIX}{step}")
@@ -207,6 +210,8 @@ def save_checkpoint(actor, root: str, step: int, trainer_state: dict, *, keep: i
         os.makedirs(root, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)  # leftovers of an interrupted save
         os.makedirs(tmp)
+        if hf_files is not None:
+            copy_hf_files(hf_files[0], os.path.join(tmp, HF_SUBDIR), hf_files[1])
     dist.barrier()
     sd = _sharded_state_dict(actor, is_loading=False, with_optimizer=True)
     sd.update(scheduler=actor.scheduler.state_dict(), trainer=trainer_state, layout=_layout(actor))

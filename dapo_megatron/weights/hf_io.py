@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
@@ -15,6 +16,23 @@ import torch
 INDEX = "model.safetensors.index.json"
 _SYNC_EVERY = 256 << 20  # bytes written between background fdatasyncs of a shard file
 SINGLE = "model.safetensors"
+
+
+HF_SUBDIR = "hf"  # config + tokenizer files inside a Megatron checkpoint dir (what export needs)
+MODEL_FILES = ("config.json", "generation_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+                   "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
+
+
+def copy_hf_files(model_dir: str, dst: str, tokenizer_dir: str | None = None) -> None:
+    """The few kB an HF folder needs besides its weights: the model's config and generation config,
+    and the tokenizer (from `tokenizer_dir` when the model keeps none) with its chat template."""
+    os.makedirs(dst, exist_ok=True)
+    sources = [(model_dir, MODEL_FILES + TOKENIZER_FILES)] + ([(tokenizer_dir, TOKENIZER_FILES)] if tokenizer_dir else [])
+    for src, names in sources:
+        for name in names:
+            if os.path.exists(os.path.join(src, name)):
+                shutil.copy2(os.path.join(src, name), os.path.join(dst, name))
 
 
 class CheckpointError(Exception):

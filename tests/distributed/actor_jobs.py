@@ -189,7 +189,7 @@ def resume_job(hf_dir: str, parallel: dict, root: str, phase: str) -> bytes:
     out = {}
     if phase == "train":
         out["metrics"] = [_train_step(actor, 1), _train_step(actor, 2)]
-        ckpt.save_checkpoint(actor, root, 2, {"step": 2, "sampler": [7, 8]}, keep=2)
+        ckpt.save_checkpoint(actor, root, 2, {"step": 2, "sampler": [7, 8]}, keep=2, hf_files=(hf_dir, None))
         out["logprobs_after_2"] = everywhere(actor.compute_logprobs(make_batch(seed=0)))["logprobs"]
         out["metrics"].append(_train_step(actor, 3))
         out["logprobs_after_3"] = everywhere(actor.compute_logprobs(make_batch(seed=0)))["logprobs"]

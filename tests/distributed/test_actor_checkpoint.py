@@ -76,17 +76,29 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file(runs):
 
 
 def test_a_training_checkpoint_exports_to_hf(runs, tiny_hf_models, tmp_path):
-    """mcore-to-hf on a step folder: the model's tensors are exported, the Adam state (keys
-    `chained_<i>.optimizer.*`) is not mistaken for tensors the model has no place for."""
+    """mcore-to-hf on a step folder with no other flag (the checkpoint carries the model's config in
+    hf/): the model's tensors are exported, the Adam state (keys `chained_<i>.optimizer.*`) is not
+    mistaken for tensors the model has no place for. A step folder without hf/ (an older
+    checkpoint) is one error naming --hf-config and the model the run's config.yaml names."""
+    import shutil
     hf, out = tiny_hf_models["moe"], tmp_path / "hf"
-    proc = _convert("mcore-to-hf", "--ckpt", os.path.join(runs["root"], "step_2"), "--hf-config", hf, "--out", out,
-                    "--tp", "2")
+    step2 = os.path.join(runs["root"], "step_2")
+    assert sorted(os.listdir(os.path.join(step2, "hf"))) == ["config.json", "generation_config.json"]  # no tokenizer here
+    old = tmp_path / "run" / "checkpoints" / "step_2"
+    shutil.copytree(step2, old, ignore=shutil.ignore_patterns("hf"))
+    (tmp_path / "run" / "config.yaml").write_text(f"model:\n  path: {hf}\n")
+    proc = _convert("mcore-to-hf", "--ckpt", old, "--out", tmp_path / "never")
+    assert proc.returncode == 2 and "--hf-config" in proc.stderr and f"model.path={hf}" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not (tmp_path / "never").exists()
+    proc = _convert("mcore-to-hf", "--ckpt", step2, "--out", out, "--tp", "2")
     assert proc.returncode == 0, proc.stderr[-3000:]
     from dapo_megatron.weights import HFCheckpoint
     before, after = HFCheckpoint(hf), HFCheckpoint(str(out))
     assert before.keys() == after.keys()
     assert all(before.read(k).shape == after.read(k).shape for k in before.keys())
     assert any(not torch.equal(before.read(k), after.read(k)) for k in before.keys())  # two steps trained
+    from transformers import AutoConfig
+    assert AutoConfig.from_pretrained(str(out)).model_type == "qwen3_moe"
 
 
 def test_kill_during_save_leaves_latest_on_previous(runs):

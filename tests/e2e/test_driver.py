@@ -186,6 +186,10 @@ def test_two_steps_log_every_metric_and_checkpoint(whole):
     assert (out / "curves.png").exists()
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_1", "step_2"]
     assert (out / "checkpoints" / "latest").read_text().strip() == "step_2"
+    # what export needs travels with each checkpoint (mcore-to-hf --ckpt <step> needs no flag)
+    hf = sorted(os.listdir(out / "checkpoints" / "step_2" / "hf"))
+    assert {"config.json", "tokenizer.json", "chat_template.jinja"} <= set(hf), hf
+    assert "model:" in (out / "config.yaml").read_text()
     assert rows[0]["response_length/mean"] > 0
 
 
