@@ -67,6 +67,22 @@ class Correction:
     def active(self) -> bool:
         return self.is_level is not None or self.rs is not None or self.veto_threshold is not None
 
+    @property
+    def is_lower(self) -> float:
+        """The mask band's bottom (default: the reciprocal of its top)."""
+        return self.is_threshold_lower if self.is_threshold_lower is not None else 1.0 / self.is_threshold
+
+    @property
+    def rs_lower(self) -> float:
+        """A k1 criterion's lower ratio bound (default: the reciprocal of the upper one)."""
+        return self.rs_threshold_lower if self.rs_threshold_lower is not None else 1.0 / self.rs_threshold
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        """The metrics `rollout_correction` reports with these settings."""
+        return (("is_weight_mean", "is_masked_frac") if self.is_level else ()) + (
+            ("rejected_frac",) if self.rs or self.veto_threshold else ())
+
 
 def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: Optional[torch.Tensor], mask: torch.Tensor,
                        c: Correction) -> tuple[torch.Tensor, dict]:
@@ -78,7 +94,6 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: Optional[to
     with torch.no_grad():
         log_rho = torch.where(mask, old_logprobs - rollout_logprobs, torch.zeros_like(old_logprobs))  # [B, T]
         safe = log_rho.clamp(-SAFETY, SAFETY)
-        keep = mask.clone()
         metrics = {}
         factor = torch.ones_like(log_rho)
         if c.is_level is not None:
@@ -88,8 +103,7 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: Optional[to
                 w = w.clamp(max=c.is_threshold)
                 out_of_band = torch.zeros_like(mask)
             else:
-                lower = c.is_threshold_lower if c.is_threshold_lower is not None else 1.0 / c.is_threshold
-                out_of_band = (w < lower) | (w > c.is_threshold)
+                out_of_band = (w < c.is_lower) | (w > c.is_threshold)
             factor = torch.where(out_of_band, torch.zeros_like(w), w)
             metrics["is_weight_mean"] = _mean(factor, mask & ~out_of_band)
             metrics["is_masked_frac"] = _mean(out_of_band.float(), mask)
@@ -98,9 +112,8 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: Optional[to
             agg, est = c.rs.rsplit("_", 1)
             value = _seq(agg)(ESTIMATORS[est](safe), mask).expand_as(log_rho)
             if est == "k1":  # a bound on the ratio exp(-aggregate) = the (geometric mean / product of) rho
-                lower = c.rs_threshold_lower if c.rs_threshold_lower is not None else 1.0 / c.rs_threshold
                 ratio = torch.exp((-value).clamp(-SAFETY, SAFETY))
-                rejected |= (ratio < lower) | (ratio > c.rs_threshold)
+                rejected |= (ratio < c.rs_lower) | (ratio > c.rs_threshold)
             else:
                 rejected |= value > c.rs_threshold
         if c.veto_threshold is not None:
@@ -108,7 +121,7 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: Optional[to
             rejected |= (worst < torch.log(torch.tensor(c.veto_threshold))).expand_as(mask)
         if c.rs is not None or c.veto_threshold is not None:
             metrics["rejected_frac"] = _mean(rejected.float(), mask)
-        factor = torch.where(rejected & keep, torch.zeros_like(factor), factor)
+        factor = torch.where(rejected, torch.zeros_like(factor), factor)
     return factor, metrics
 
 

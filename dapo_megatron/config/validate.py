@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional
 
-from dapo_megatron.algo import IS_LEVELS, IS_MODES, KL_KINDS, LOSS_AGG_MODES, ON_EXHAUSTED, POLICY_LOSSES, RS_CRITERIA
+from dapo_megatron.algo import (IS_LEVELS, IS_MODES, KL_KINDS, LOSS_AGG_MODES, ON_EXHAUSTED, POLICY_LOSSES, RS_CRITERIA,
+                                Correction)
 from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.config.schema import DapoConfig, ParallelConfig
 from dapo_megatron.device import get_device
@@ -145,14 +146,13 @@ def _check_correction(c) -> None:
     for name in ("is_threshold", "is_threshold_lower", "rs_threshold", "rs_threshold_lower", "veto_threshold"):
         value = getattr(c, name)
         _require(value is None or value > 0, k + name, f"{k}{name} must be > 0 or null, got {value}")
-    lower = c.is_threshold_lower if c.is_threshold_lower is not None else 1.0 / c.is_threshold
-    _require(c.is_mode != "mask" or lower < c.is_threshold, k + "is_threshold_lower",
-             f"{k}is_threshold_lower ({lower}) must be below {k}is_threshold ({c.is_threshold})")
+    c = Correction(**vars(c))  # its defaults for the lower bounds
+    _require(c.is_mode != "mask" or c.is_lower < c.is_threshold, k + "is_threshold_lower",
+             f"{k}is_threshold_lower ({c.is_lower}) must be below {k}is_threshold ({c.is_threshold})")
     if c.rs is not None:
         _require(c.rs_threshold is not None, k + "rs_threshold", f"{k}rs={c.rs} needs {k}rs_threshold")
-        lower = c.rs_threshold_lower if c.rs_threshold_lower is not None else 1.0 / c.rs_threshold
-        _require(not c.rs.endswith("k1") or lower < c.rs_threshold, k + "rs_threshold_lower",
-                 f"{k}rs_threshold_lower ({lower}) must be below {k}rs_threshold ({c.rs_threshold}): a k1 "
+        _require(not c.rs.endswith("k1") or c.rs_lower < c.rs_threshold, k + "rs_threshold_lower",
+                 f"{k}rs_threshold_lower ({c.rs_lower}) must be below {k}rs_threshold ({c.rs_threshold}): a k1 "
                  f"criterion bounds the ratio from both sides")
 
 

@@ -72,9 +72,6 @@ class Actor:
                  total_steps: int = 1, dtype: str = "fp32", temperature: float = 1.0, load_weights: bool = True):
         self.cfg, self.n, self.temperature = cfg, n, temperature
         self.correction = Correction(**vars(cfg.rollout_correction))
-        c = self.correction  # the metrics of the correction's parts that are on
-        self._correction_metrics = (("is_weight_mean", "is_masked_frac") if c.is_level else ()) + (
-            ("rejected_frac",) if c.rs or c.veto_threshold else ())
         self.spec = spec = spec or ModelSpec.from_pretrained(hf_dir)
         p = cfg.parallel  # config/validate.check_parallel_fits_model explains this rule to users
         assert not (spec.is_moe and p.tp > 1 and p.ep == 1 and p.etp != p.tp), "MoE with tp > 1, ep 1 needs etp == tp"
@@ -173,7 +170,7 @@ class Actor:
         totals = self._reduce_metrics(results)
         out = {f"actor/{k}": totals[k] for k in _SUMMED if k != "kl_loss" or self.cfg.use_kl_loss}
         for k in _TOKEN_WEIGHTED:  # the correction's own metrics where its parts are on
-            if k not in _CORRECTION or k in self._correction_metrics:
+            if k not in _CORRECTION or k in self.correction.metric_names:
                 out[f"{'rollout' if k == 'rejected_frac' else 'actor'}/{k}"] = totals[k] / max(totals["tokens"], 1.0)
         out["actor/grad_norm"] = float(grad_norm)
         if agree is not None:
