@@ -40,7 +40,7 @@ def env(tiny_assets):
 @pytest.fixture(scope="module")
 def tool_env(env, tool_assets):
     """A second engine actor on env's Ray (its spare CPU) and data plane: multi-turn, the warmed-up
-    tool model, its `python` tool answering 1 s late (slow_tool.py)."""
+    tool model, its `python` tool answering 0.3-2 s late (slow_tool.py)."""
     import ray
     from transformers import AutoTokenizer
 
@@ -64,9 +64,9 @@ def tool_env(env, tool_assets):
 class RecordingSampler:
     """The real PromptSampler, recording every index it hands out."""
 
-    def __init__(self, n):
+    def __init__(self, n, seed=3):
         from dapo_megatron.data.sampler import PromptSampler
-        self.inner, self.served = PromptSampler(n, shuffle=True, seed=3), []
+        self.inner, self.served = PromptSampler(n, shuffle=True, seed=seed), []
 
     def next(self, k):
         out = self.inner.next(k)
@@ -121,57 +121,53 @@ def test_sync_mode_keeps_exactly_train_batch_size(env):
     assert result.metrics["sampling/discarded_tokens"] > 0  # the even groups were generated and dropped
 
 
-def test_early_stop_aborts_and_returns_every_unused_prompt(env):
+def _early_stop_steps(engine, dataset, plane, sampling, partition, steps=3):
+    """Early-stop collections, like consecutive steps (a fresh prompt stream each), until one
+    aborted something; each is checked in full: the kept batch and the data plane, every prompt
+    served either scored or back in the stream (never both, never twice), pushed-back prompts
+    served first next time. Whether a group is still in flight when the batch fills is a matter
+    of timing: a step in which every group came back in the same poll has nothing to abort, so
+    the abort path gets up to `steps` chances. Returns the metrics of every step."""
     from dapo_megatron.algo import DynamicSampler
-    from dapo_megatron.driver.collect import collect_early_stop
+    from dapo_megatron.driver.collect import Store, collect_early_stop
+    out = []
+    for step in range(steps):
+        prompts, seen = RecordingSampler(len(dataset), seed=3 + step), []
+
+        def scorer(items, groups):
+            seen.extend(it.index for it in items)
+            return half_degenerate(items, groups)
+
+        result = collect_early_stop([engine], dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10),
+                                    scorer, sampling, GEN, Store(partition, plane), max_concurrent_per_engine=4 * N)
+        _check_kept(result, plane, partition)
+        pushed = prompts.inner.state_dict()["pushed_back"]
+        assert sorted(seen + pushed) == sorted(prompts.served) and len(set(seen)) == len(seen)
+        assert prompts.next(len(pushed)) == pushed  # served first next time
+        out.append(result.metrics)
+        if result.metrics["sampling/aborted_groups"] >= 1 and result.metrics["sampling/aborted_tokens"] > 0:
+            return out
+    raise AssertionError(f"nothing was aborted in {steps} early-stop steps: {out}")
+
+
+def test_early_stop_aborts_and_returns_every_unused_prompt(env):
     from dapo_megatron.rollout.types import Sampling
-    from dapo_megatron.driver.collect import Store
     dataset, engine, plane, _ = env
-    prompts = RecordingSampler(len(dataset))
-    sampler = DynamicSampler(TRAIN, max_num_gen_batches=10)
-    seen = []
-
-    def scorer(items, groups):
-        seen.extend(it.index for it in items)
-        return half_degenerate(items, groups)
-
     # A small concurrency and stop tokens that end responses at random lengths: groups finish at
     # different times, so some are still in flight when the batch fills and must be aborted.
     sampling = Sampling(n=N, temperature=1.0, max_tokens=48, seed=0, stop_token_ids=tuple(range(100, 130)))
-    result = collect_early_stop([engine], dataset, prompts, sampler, scorer, sampling, GEN, Store("early", plane),
-                                max_concurrent_per_engine=4 * N)
-    _check_kept(result, plane, "early")
-    pushed = prompts.inner.state_dict()["pushed_back"]
-    # Every prompt served is either scored (kept or filtered) or back in the stream, never both.
-    assert sorted(seen + pushed) == sorted(prompts.served)
-    assert result.metrics["sampling/aborted_groups"] >= 1 and result.metrics["sampling/aborted_tokens"] > 0
-    assert prompts.next(len(pushed)) == pushed  # served first next time
+    _early_stop_steps(engine, dataset, plane, sampling, "early")
 
 
 def test_early_stop_multi_turn_with_a_slow_tool_returns_every_unused_prompt(tool_env):
-    """Multi-turn, with a tool that answers 1 s late: conversations in flight when the batch fills
-    (generating, or waiting on the tool) are aborted and their prompts go back to the stream like
-    any other, none lost or scored twice; nothing stays in flight in the engine or the data plane."""
+    """Multi-turn, with a tool that answers 0.3-2 s late: conversations in flight when the batch
+    fills (generating, or waiting on the tool) are aborted and their prompts go back to the stream
+    like any other, none lost or scored twice; nothing stays in flight in the engine or the data plane."""
     import ray
-    from dapo_megatron.algo import DynamicSampler
-    from dapo_megatron.driver.collect import Store, collect_early_stop
     from dapo_megatron.rollout.types import Sampling
     tokenizer, dataset, engine, plane = tool_env
-    prompts = RecordingSampler(len(dataset))
-    seen = []
-
-    def scorer(items, groups):
-        seen.extend(it.index for it in items)
-        return half_degenerate(items, groups)
-
     # The tool tokenizer's eos is <|im_end|>: a turn ends there, and a tool call ends its turn.
     sampling = Sampling(n=N, temperature=1.0, max_tokens=96, seed=0, stop_token_ids=(tokenizer.eos_token_id,))
-    result = collect_early_stop([engine], dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer,
-                                sampling, GEN, Store("tools", plane), max_concurrent_per_engine=4 * N)
-    _check_kept(result, plane, "tools")
-    pushed = prompts.inner.state_dict()["pushed_back"]
-    assert sorted(seen + pushed) == sorted(prompts.served) and len(set(seen)) == len(seen)
-    assert result.metrics["sampling/aborted_groups"] >= 1
-    assert result.metrics["rollout/tool_calls"] > 0 and result.metrics["rollout/turns_mean"] > 1
-    assert prompts.next(len(pushed)) == pushed  # served first next time
+    metrics = _early_stop_steps(engine, dataset, plane, sampling, "tools")
+    assert all(m["rollout/tool_calls"] > 0 and m["rollout/turns_mean"] > 1 for m in metrics)
     assert ray.get(engine.num_in_flight.remote()) == 0
