@@ -229,6 +229,11 @@ class TrainerConfig:
     experiment_name: str = "dapo"
     seed: int = 1
     dist_timeout_s: int = 1800  # torch.distributed collectives (NCCL / HCCL / gloo) give up after this
+    # The memory plan (`python -m dapo_megatron.plan`) runs before Ray starts and refuses a layout
+    # whose predicted peak exceeds one device's memory: read from the device, or this (GB) when
+    # the driver cannot see one (a CPU head node) or for another part; 0: ask the device.
+    device_memory_gb: float = 0.0
+    skip_memory_check: bool = False  # start anyway (a warning) when the plan says it does not fit
 
 
 @dataclass

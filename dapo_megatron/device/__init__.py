@@ -29,6 +29,9 @@ _ENGINE_EXPERT_PARALLEL = {"cuda": True, "npu": True, "cpu": False}
 # ("AuxOutput Connector requires Model Runner V2"; with VLLM_USE_V2_MODEL_RUNNER=1, "Model Runner
 # V2 requires Triton"). vllm-ascend: peers report all-zero routes on A3; not measured by us.
 _ENGINE_RETURNS_ROUTES = {"cuda": True, "npu": True, "cpu": False}
+# Whether training attention runs a flash kernel (TE / MindSpeed), keeping no [S, S] probabilities;
+# the CPU runs Megatron's unfused path (the memory plan's attention term, plan/activations.py).
+_FLASH_ATTENTION = {"cuda": True, "npu": True, "cpu": False}
 
 
 def detect() -> str:
@@ -82,6 +85,20 @@ class Device:
         if self.kind == "cuda":
             return dict(num_cpus=0, num_gpus=share)
         return dict(num_cpus=0, resources={self.ray_resource: share})
+
+    @property
+    def flash_attention(self) -> bool:
+        return _FLASH_ATTENTION[self.kind]
+
+    def total_memory_bytes(self) -> int | None:
+        """Memory of one device of this kind as this process sees it; None when this host has
+        none (a driver on a CPU head node). CPU: the host's RAM, which every rank shares."""
+        if not self.is_accelerator:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        try:
+            return int(self._module().get_device_properties(0).total_memory) if self.count() else None
+        except (AttributeError, RuntimeError):  # torch_npu not installed here
+            return None
 
     @property
     def is_accelerator(self) -> bool:

@@ -6,6 +6,7 @@ from functools import partial
 import dataclasses
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Callable
 
@@ -65,6 +66,28 @@ def _resolved(data: DataConfig) -> DataConfig:
                                val_files=[resolve_asset_path(f) for f in data.val_files])
 
 
+def check_memory(cfg: DapoConfig, spec: ModelSpec) -> None:
+    """The memory plan, before Ray starts: a layout predicted not to fit one device is refused in
+    one line naming the largest term's key (trainer.skip_memory_check=true: a warning instead).
+    Nothing is checked where one device's memory is unknown: a CPU run without
+    trainer.device_memory_gb, or a driver that cannot see the accelerators (a warning)."""
+    from dapo_megatron import plan as memory_plan
+    from dapo_megatron.device import detect
+    if cfg.trainer.device_memory_gb <= 0 and (detect() if cfg.trainer.device == "auto" else cfg.trainer.device) == "cpu":
+        return
+    memory, flash = memory_plan.device_bytes(cfg)
+    if memory is None:
+        warnings.warn(f"memory plan: this host sees no {cfg.trainer.device} device; set trainer.device_memory_gb "
+                      "to check the layout before the job starts")
+        return
+    try:
+        memory_plan.check(memory_plan.make_plan(cfg, spec, memory, flash=flash))
+    except ConfigError as exc:
+        if not cfg.trainer.skip_memory_check:
+            raise
+        warnings.warn(f"{exc} (trainer.skip_memory_check=true: starting anyway)")
+
+
 def prepare(cfg: DapoConfig) -> Context:
     """Resolve tiny:// assets, read the model spec (and check the config against it: the one
     place that does), load tokenizer and data, start Ray, place and set up the roles."""
@@ -79,6 +102,7 @@ def prepare(cfg: DapoConfig) -> Context:
     except (OSError, ValueError) as exc:
         raise ConfigError("model.path", f"model.path {model_path}: {str(exc).splitlines()[0]}") from None
     check_model(cfg, spec)
+    check_memory(cfg, spec)
     # Every input is read here, before Ray starts: a bad one is one line from main, not a
     # traceback from a remote actor minutes later.
     if not cfg.model.load_checkpoint:

@@ -70,6 +70,10 @@ class Offloader:
                 else:
                     s.copy_(host.untyped_storage())
 
+    def nbytes(self) -> dict[str, int]:
+        """Bytes of each group's storages (each storage counted once, in its first group)."""
+        return {name: sum(s.nbytes() for s in self._storages(name)) for name in self._groups}
+
     def held(self, name: str) -> list[torch.UntypedStorage]:
         """The device storages of an offloaded group (empty while offloaded); [] when it is on the device."""
         return [s for s, _, _ in self._held.get(name, [])]

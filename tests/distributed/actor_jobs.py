@@ -99,7 +99,22 @@ def run_updates(hf_dir: str, parallel: dict, batch: RolloutBatch, over: dict, st
     batch.ref_logprobs = batch.old_logprobs - 0.05
     metrics = [actor.update(batch) for _ in range(steps)]
     return {"metrics": metrics, "logprobs": everywhere(actor.compute_logprobs(batch))["logprobs"],
-            "before": before, "weights": export_weights(actor.chunks), "lr": config.optim.lr}
+            "before": before, "weights": export_weights(actor.chunks), "lr": config.optim.lr,
+            "state": state_bytes(actor), "distributed_optimizer": config.optim.use_distributed_optimizer,
+            "hf_dir": hf_dir}
+
+
+def state_bytes(actor) -> dict:
+    """What Megatron allocated on this rank after an update: bytes of the parameters' storages
+    (DDP's param buffers under the distributed optimizer), the main-grad buffers and the optimizer
+    state (storages not already counted), and the rank's coordinates (plan/state.py predicts them)."""
+    import dataclasses
+
+    from dapo_megatron.train.offload import Offloader, main_grads, optimizer_tensors
+    from dapo_megatron.train.parallel import coords
+    params = lambda: [p for c in actor.chunks for p in c.parameters()]  # noqa: E731 (no module buffers)
+    groups = {"params": params, "grads": main_grads(actor.chunks), "optimizer": optimizer_tensors(actor.optimizer)}
+    return {"bytes": Offloader(groups, None).nbytes(), "coords": dataclasses.asdict(coords())}
 
 
 def assert_same_weights(got: dict, want: dict, tol: float, what: str) -> None:
@@ -124,7 +139,8 @@ def layout_job(hf_dirs: list[str], parallel: dict, batch: RolloutBatch, max_toke
     from dapo_megatron.train.parallel import init_parallel
     init_parallel(ParallelConfig(**parallel))
     out = {"logprobs": logprob_job(hf_dirs, parallel, batch, max_tokens, init=False)}
-    out["updates"] = [run_updates(update_dir, parallel, batch, over) for over in updates]
+    # an update may name its own model (`hf_dir`): the plan's state check on other shapes
+    out["updates"] = [run_updates(over.pop("hf_dir", update_dir), parallel, batch, over) for over in map(dict, updates)]
     return pack(out)
 
 
@@ -236,7 +252,7 @@ def offload_job(hf_dir: str, parallel: dict, dtype: str) -> bytes:
     config = dict(optim=dict(use_distributed_optimizer=True), max_tokens_per_microbatch=64)
     kept, moved = (Actor(actor_config(parallel, **dict(config, optim=dict(config["optim"]))), hf_dir, n=2,
                          dtype=dtype) for _ in range(2))
-    out = {"metrics": [[_train_step(a, 1)] for a in (kept, moved)]}
+    out = {"metrics": [[_train_step(a, 1)] for a in (kept, moved)], "state": state_bytes(kept)}
     moved.offload(list(GROUPS))
     out["held"] = {g: [s.nbytes() for s in moved.offloader.held(g)] for g in GROUPS}
     try:

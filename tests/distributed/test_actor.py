@@ -51,6 +51,9 @@ def results(tiny_hf_models, batch):
         if layout not in cache:
             parallel, world, models, train = LAYOUTS[layout]
             updates = [dict(max_tokens_per_microbatch=MAX_TOKENS)] if train else []
+            if layout == "ep2":  # the plan's state check without the distributed optimizer, other shapes
+                updates.append(dict(max_tokens_per_microbatch=MAX_TOKENS, hf_dir=tiny_hf_models["a3b_like"],
+                                    optim=dict(use_distributed_optimizer=False)))
             if layout == "tp1":  # 1 vs 4 micro-batches
                 updates += [dict(max_tokens_per_microbatch=1 << 14),
                             dict(max_tokens_per_microbatch=four_bin_budget(batch))]
@@ -124,6 +127,23 @@ def test_update_matches_tp1(layout, results):
     assert names == set(want["weights"]), "exported weights do not cover the model"
     for rank, res in enumerate(per_rank):
         _assert_same_update(res["updates"][0], want, f"{layout} rank {rank}")
+
+
+@pytest.mark.parametrize("layout", [k for k, v in LAYOUTS.items() if v[3]])
+def test_state_bytes_are_the_memory_plans(layout, results):
+    """Parameters, main grads and optimizer state Megatron allocated on each rank (fp32) equal,
+    byte for byte, what plan/state.py counts from the weight tables: padding, buckets and the
+    distributed optimizer's shards included."""
+    from dapo_megatron.models.spec import ModelSpec
+    from dapo_megatron.plan.state import Layout, rank_state
+    for res in results(layout):
+        for upd in res["updates"]:
+            c = upd["state"]["coords"]
+            lay = Layout(world=c["world_size"], tp=c["tp"], pp=c["pp"], vpp=c["vpp"], ep=c["ep"], etp=c["etp"])
+            want = rank_state(ModelSpec.from_pretrained(upd["hf_dir"]), lay, dtype="fp32",
+                              distributed_optimizer=upd["distributed_optimizer"], stage=c["pp_rank"],
+                              dp_rank=c["dp_rank"], edp_rank=c["edp_rank"])
+            assert upd["state"]["bytes"] == vars(want), f"{layout} rank {c['rank']} {upd['hf_dir']}"
 
 
 def test_update_one_vs_four_microbatches(results):

@@ -49,6 +49,19 @@ def test_update_after_offload_and_onload_is_bit_identical(ranks):
         assert res["metrics"][0][1]["actor/grad_norm"] > 0
 
 
+def test_bf16_state_bytes_are_the_memory_plans(ranks, tiny_hf_models):
+    """bf16 at TP1 x PP2 x EP2 with the distributed optimizer: the fp32 master shards join Adam's
+    moments; dense state is sharded over DP 2, experts over expert-DP 1 (plan/state.py)."""
+    from dapo_megatron.models.spec import ModelSpec
+    from dapo_megatron.plan.state import Layout, rank_state
+    spec = ModelSpec.from_pretrained(tiny_hf_models["moe"])
+    for res in ranks:
+        c = res["state"]["coords"]
+        want = rank_state(spec, Layout(world=4, **LAYOUT), dtype="bf16", distributed_optimizer=True,
+                          stage=c["pp_rank"], dp_rank=c["dp_rank"], edp_rank=c["edp_rank"])
+        assert res["state"]["bytes"] == vars(want), f"rank {c['rank']}"
+
+
 def test_reference_offload_gives_the_same_logprobs(ranks):
     for res in ranks:
         resident, offloaded = res["ref_logprobs"]

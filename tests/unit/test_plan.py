@@ -1,0 +1,126 @@
+"""The memory plan (dapo_megatron/plan): every shipped config plans without a device or the
+network, impossible layouts are refused naming the key, the boundary sits at the device's memory,
+and the start-up check refuses before Ray starts. The exact state bytes are checked against
+Megatron's allocations in tests/distributed (test_actor.py, test_actor_offload.py)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dapo_megatron.config import ConfigError, available_configs, load_config
+from dapo_megatron.plan import GiB, check, make_plan
+from dapo_megatron.plan.__main__ import SHIPPED_SHAPES, main, model_spec
+
+QWEN3_30B = str(SHIPPED_SHAPES / "Qwen3-30B-A3B-Base.json")
+EIGHT_H100 = ["trainer.nnodes=1", "trainer.n_gpus_per_node=8", "data.max_response_length=8192"]
+
+
+def plan_of(name: str, overrides: list[str], memory_gb: float):
+    cfg = load_config(name, overrides)
+    return make_plan(cfg, model_spec(cfg, QWEN3_30B if not cfg.model.path else ""), memory_gb * GiB)
+
+
+def layout(tp: int, ep: int, *extra: str) -> list[str]:
+    keys = [f"{role}.parallel.{k}={v}" for role in ("actor", "ref") for k, v in (("tp", tp), ("ep", ep))]
+    return EIGHT_H100 + keys + list(extra)
+
+
+@pytest.mark.parametrize("name", [n for n in available_configs() if "30b" in n or n == "dapo"])
+def test_every_30b_config_plans_offline(name, capsys):
+    """No device, no Ray, no download: the shape comes from configs/hf/ (dapo.yaml names no model)."""
+    rc = main(["-cn", name, "--device-memory-gb", "64" if "npu" in name else "80"]
+              + (["--hf-config", QWEN3_30B] if name == "dapo" else []))
+    out = capsys.readouterr()
+    assert rc in (0, 1), out.err
+    assert "peak:" in out.out and "update" in out.out and "optimizer" in out.out
+    if name != "dapo":  # the shipped layouts fit their hardware
+        assert rc == 0 and "fits" in out.out, out.out
+
+
+def test_tiny_configs_plan_from_their_assets(tiny_assets, capsys):
+    rc = main(["-cn", "quickstart", f"model.path={tiny_assets / 'qwen3_moe'}", "--device-memory-gb", "16"])
+    assert rc == 0 and "fits" in capsys.readouterr().out
+    # the recipe's 22.5k-token sequences on a CPU: the unfused attention keeps heads x S^2 floats a layer
+    rc = main(["-cn", "dapo", f"model.path={tiny_assets / 'qwen2'}", "--device-memory-gb", "16"])
+    out = capsys.readouterr()
+    assert rc == 1 and "DOES NOT FIT" in out.out and "actor.max_tokens_per_microbatch" in out.err
+
+
+def test_tp1_ep1_without_offload_on_8_h100_is_refused_naming_a_key():
+    plan = plan_of("qwen3_30b_a3b_megatron_gpu", layout(1, 1, "actor.offload.params=false",
+                                                       "actor.offload.grads=false", "actor.offload.optimizer=false"), 80)
+    assert not plan.fits and plan.peak.total > 2 * 80 * GiB
+    with pytest.raises(ConfigError) as err:
+        check(plan)
+    assert err.value.key == "actor.offload.grads" and "generate" in str(err.value)  # the largest term while generating
+
+
+def test_the_boundary_is_the_device_memory():
+    """A layout the plan puts 10% over one device is refused; with 5% headroom it starts."""
+    cfg = load_config("qwen3_30b_a3b_megatron_gpu", [])
+    spec = model_spec(cfg)
+    peak = make_plan(cfg, spec, 80 * GiB).peak.total
+    over, under = make_plan(cfg, spec, peak / 1.10), make_plan(cfg, spec, peak / 0.95)
+    with pytest.raises(ConfigError) as err:
+        check(over)
+    assert err.value.key in ("actor.max_tokens_per_microbatch", "trainer.nnodes", "rollout.gpu_memory_utilization")
+    check(under)
+
+
+def test_peer_layouts_are_over_only_by_the_optimizer_on_the_device_while_training():
+    """slime's TP4 x EP8 and verl's GSPO TP2 x EP8 on 8 x 80 GB keep Adam in host memory for the
+    whole update (Megatron's CPU optimizer); our actor.offload.optimizer moves it out only while
+    the engines generate, so the plan puts both over, and by less than the optimizer term."""
+    for tp, rollout_tp in ((4, 4), (2, 2)):
+        plan = plan_of("qwen3_30b_a3b_megatron_gpu", layout(tp, 8, f"rollout.parallel.tp={rollout_tp}",
+                                                            f"rollout.parallel.ep={rollout_tp}"), 80)
+        peak = plan.peak
+        assert not plan.fits and peak.name == "update"
+        assert peak.total - peak.terms["optimizer"] < 80 * GiB
+        generate = next(p for p in plan.phases if p.name == "generate")
+        assert "optimizer" not in generate.terms and "params" not in generate.terms  # offloaded
+
+
+def test_activation_terms_follow_the_keys_that_shrink_them():
+    base = plan_of("qwen3_30b_a3b_megatron_gpu", [], 80).per_rank
+    half = plan_of("qwen3_30b_a3b_megatron_gpu", ["actor.max_tokens_per_microbatch=11264",
+                                                  "data.max_response_length=9216"], 80).per_rank
+    assert half["logits"] == pytest.approx(base["logits"] / 2) and half["activations"] < base["activations"]
+    selective = plan_of("qwen3_30b_a3b_megatron_gpu", ["actor.recompute_granularity=selective"], 80).per_rank
+    assert selective["activations"] > 5 * base["activations"]  # full keeps each layer's input only
+    tp4 = plan_of("qwen3_30b_a3b_megatron_gpu", [f"{r}.parallel.tp=4" for r in ("actor", "ref")], 80).per_rank
+    assert tp4["logits"] == pytest.approx(base["logits"] / 2, rel=1e-3) and tp4["params"] < base["params"]
+
+
+def test_a_model_dir_without_config_is_one_error_naming_the_key(tmp_path, capsys):
+    assert main(["-cn", "quickstart", f"model.path={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert "model.path" in err and "--hf-config" in err
+
+
+def test_start_up_refuses_before_ray(tiny_assets, monkeypatch, capsys):
+    """main -> prepare -> check_memory: an impossible layout exits 2 naming the key; Ray never
+    started. trainer.skip_memory_check=true turns the refusal into a warning."""
+    import ray
+
+    from dapo_megatron import main as entry
+    from dapo_megatron.driver import setup
+    monkeypatch.setattr(setup, "init_ray", lambda cfg: pytest.fail("Ray started despite the plan"))
+    args = ["--config-name", "quickstart", f"model.path={tiny_assets / 'qwen3_moe'}",
+            f"data.train_files=[{tiny_assets / 'data' / 'train.parquet'}]", "data.val_files=[]",
+            "trainer.device_memory_gb=0.001", f"trainer.default_local_dir={tiny_assets.parent / 'run'}"]
+    assert entry.main(args) == 2
+    err = capsys.readouterr().err
+    assert "memory plan" in err and "change " in err and not ray.is_initialized()
+    cfg = load_config("quickstart", args[2:] + ["trainer.skip_memory_check=true"])
+    with pytest.warns(UserWarning, match="skip_memory_check"):
+        setup.check_memory(cfg, model_spec(cfg))
+
+
+def test_shipped_shapes_are_the_models_they_name():
+    for path in Path(SHIPPED_SHAPES).glob("*.json"):
+        hf = json.loads(path.read_text())
+        text = hf.get("text_config", hf)
+        assert (text["hidden_size"], text["num_hidden_layers"], text["num_experts"]) == (2048, 48, 128), path.name
