@@ -149,6 +149,22 @@ def load_config(config_name: str = "dapo", overrides: Iterable[str] = (), *, che
     return validate(obj) if check else obj
 
 
+def load_run_config(path: str, overrides: Iterable[str] = ()) -> DapoConfig:
+    """A run's resolved `<run dir>/config.yaml` (driver/setup.write_config) + overrides -> a
+    validated DapoConfig: what `evaluate` starts from for a training checkpoint."""
+    from omegaconf import OmegaConf
+    overrides = scalar_lists(hydra_appends(translate_overrides(list(overrides))))
+    check_override_keys(overrides)
+    try:
+        cfg = OmegaConf.merge(OmegaConf.structured(DapoConfig), OmegaConf.load(path),
+                              OmegaConf.from_dotlist([o.lstrip("+") for o in overrides]))
+        obj = OmegaConf.to_object(cfg)
+    except Exception as exc:
+        key = getattr(exc, "full_key", None) or path
+        raise ConfigError(key, f"{path}: invalid value for {key}: {str(exc).splitlines()[0]}") from None
+    return validate(obj)
+
+
 def check_path(key: str, path: str) -> str:
     """A configured path must exist; `tiny://` paths are built on demand and pass."""
     if path.startswith("tiny://") or os.path.exists(path):

@@ -61,7 +61,7 @@ def activation_peaks(hf_dir: str, lengths: list[int], rows: int) -> list[int]:
     actor = Actor(actor_jobs.actor_config({}, ppo_mini_batch_size=rows // 2, max_tokens_per_microbatch=rows * max(lengths)),
                   hf_dir, n=2)
     out = []
-    for i, length in enumerate([min(lengths)] + list(lengths)):  # the first: warm-up
+    for i, length in enumerate([64] + list(lengths)):  # the first, short: allocates Adam's state
         batch = batch_of(rows, length, vocab, seed=i)
         with torch.no_grad():
             batch.old_logprobs = actor_jobs.everywhere(actor.compute_logprobs(batch))["logprobs"]

@@ -193,6 +193,25 @@ def test_two_steps_log_every_metric_and_checkpoint(whole):
     assert rows[0]["response_length/mean"] > 0
 
 
+def test_evaluate_a_checkpoint_with_no_flag_gets_the_runs_validation(whole, tmp_path):
+    """train -> evaluate: `python -m dapo_megatron.evaluate --model <run>/checkpoints/step_2` takes
+    the run's config.yaml (its validation files, lengths, greedy val_kwargs, reward function),
+    exports the checkpoint (no --hf-config) and scores the avg@1 the run's validation logged at
+    that step, with the generations and the summary written."""
+    out = tmp_path / "eval"
+    proc = subprocess.run([sys.executable, "-m", "dapo_megatron.evaluate", "--model",
+                           str(whole.out / "checkpoints" / "step_2"), "--out", str(out)],
+                          env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    overall = summary["sources"]["all"]
+    assert whole.rows[-1]["step"] == 2 and overall["avg@1"] == pytest.approx(whole.rows[-1]["val/acc"], abs=1e-9)
+    records = [json.loads(line) for line in open(out / "generations.jsonl")]
+    assert len(records) == overall["prompts"] > 0 and all(r["length"] > 0 for r in records)
+    assert "avg@1" in proc.stdout and "pass@1" in proc.stdout
+    assert {"config.json", "tokenizer.json", "chat_template.jinja"} <= set(os.listdir(out / "model"))
+
+
 # Colocated placement, actor.offload all on (the quickstart's), the engines sleeping at level 2.
 TRAINING = [("engine_sleep", ["level 2"]), ("onload", ["params", "grads", "optimizer"]), ("old_logprob", []),
             ("update", []), ("offload", ["grads", "optimizer"]), ("engine_wake", ["weights"]), ("sync", []),

@@ -1,0 +1,209 @@
+"""`python -m dapo_megatron.evaluate --model M [--data F ...] [--n N] [key=value ...]`: score a model.
+
+M is an HF folder, a tiny:// model, or a training checkpoint (`<run>/checkpoints/step_N`, exported
+to HF first, as `convert mcore-to-hf` does). A checkpoint's run config (`<run>/config.yaml`) gives
+the defaults: the validation files, lengths, `rollout.val_kwargs`, the engine and the reward; for
+another model they come from `--config-name` (default: dapo). Generates n samples per prompt on
+vLLM engines (the rollout's engine code), scores them with the reward table (math, geo3k, a
+custom function), and prints per data_source avg@n, pass@k and maj@k (reward/metrics.py) for k in
+powers of two up to n, the mean response length and the share cut at the length limit; writes
+the generations (generations.jsonl) and the table (summary.json) under --out. Bad input (a data
+file, a model path) is one `error:` line before anything starts.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from dapo_megatron.config import ConfigError, load_config, load_run_config
+
+EXIT_BAD_INPUT = 2
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dapo_megatron.evaluate", description=__doc__.splitlines()[0],
+                                epilog="example: python -m dapo_megatron.evaluate --model "
+                                       "outputs/dapo-megatron/quickstart/checkpoints/step_30 --n 8")
+    p.add_argument("--model", required=True, help="HF folder, tiny://NAME, or a checkpoint step_N folder")
+    p.add_argument("--data", nargs="*", default=None, help="parquet / jsonl files (default: data.val_files)")
+    p.add_argument("--config-name", "-cn", default="dapo", help="defaults for a model that is not a checkpoint")
+    p.add_argument("--n", type=int, default=None, help="samples per prompt (default: rollout.val_kwargs.n)")
+    p.add_argument("--temperature", type=float, default=None, help="default: rollout.val_kwargs.temperature")
+    p.add_argument("--top-p", type=float, default=None, help="default: rollout.val_kwargs.top_p")
+    p.add_argument("--engines", type=int, default=1, help="engines (each rollout.parallel.tp devices)")
+    p.add_argument("--batch", type=int, default=256, help="prompts per engine call (the progress bar's step)")
+    p.add_argument("--out", default="", help="output folder (default: eval/<model name>)")
+    p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.max_response_length=4096")
+    return p.parse_args(argv)
+
+
+def _checkpoint_run_config(path: str) -> str | None:
+    """`<run>/config.yaml` of a checkpoint folder `<run>/checkpoints/step_N`, if it is one."""
+    if not os.path.isfile(os.path.join(path, "metadata.json")):
+        return None
+    run_config = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.yaml")
+    return run_config if os.path.isfile(run_config) else None
+
+
+def resolve_model(path: str, out: str) -> str:
+    """An HF folder to load: tiny:// built, a checkpoint exported into `out`/model."""
+    from dapo_megatron.assets import resolve_asset_path
+    path = resolve_asset_path(path)
+    if os.path.isfile(os.path.join(path, "config.json")):
+        return path
+    if os.path.isfile(os.path.join(path, "metadata.json")):
+        from dapo_megatron.convert import build_parser, mcore_to_hf
+        target = os.path.join(out, "model")
+        args = build_parser().parse_args(["mcore-to-hf", "--ckpt", path, "--out", target, "--force", "--device", "cpu"])
+        return mcore_to_hf(args)
+    raise ConfigError("--model", f"--model {path}: not an HF folder (config.json), a tiny:// name or a training "
+                                 "checkpoint (a step_N folder with metadata.json)")
+
+
+def load(args):
+    """(config, HF model dir, out dir, dataset): everything checked before an engine starts."""
+    from transformers import AutoTokenizer
+
+    from dapo_megatron.assets import resolve_asset_path
+    from dapo_megatron.data.dataset import PromptDataset
+    from dapo_megatron.driver.setup import _image_token_counter, _tool_schemas
+    from dapo_megatron.models import ModelSpec
+    run_config = _checkpoint_run_config(args.model)
+    cfg = load_run_config(run_config, args.overrides) if run_config else load_config(args.config_name, args.overrides)
+    name = os.path.basename(os.path.normpath(args.model.replace("tiny://", "")))
+    out = args.out or os.path.join("eval", name)
+    os.makedirs(out, exist_ok=True)
+    model = resolve_model(args.model, out)
+    spec = ModelSpec.from_pretrained(model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    files = [resolve_asset_path(f) for f in (args.data if args.data is not None else cfg.data.val_files)]
+    if not files:
+        raise ConfigError("--data", "no data: pass --data FILE (or set data.val_files)")
+    data = PromptDataset(files, tokenizer, prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
+                         truncation=cfg.data.truncation, skip_bad_rows=cfg.data.skip_bad_rows, config_key="--data",
+                         tools=_tool_schemas(cfg, tokenizer, "--model"),
+                         image_tokens=_image_token_counter(spec, model, "--model"))
+    v = cfg.rollout.val_kwargs
+    for key, value in (("n", args.n), ("temperature", args.temperature), ("top_p", args.top_p)):
+        if value is not None:
+            setattr(v, key, value)
+    if v.n < 1:
+        raise ConfigError("--n", f"--n must be >= 1, got {v.n}")
+    return cfg, model, out, tokenizer, data, files
+
+
+def generate(cfg, model: str, out: str, tokenizer, data, engines: int, batch: int) -> list:
+    """Every prompt's group of n samples, in dataset order, from `engines` local engines."""
+    import ray
+    from tqdm import tqdm
+
+    from dapo_megatron.device import get_device
+    from dapo_megatron.rollout.actor import engine_actor
+    from dapo_megatron.rollout.types import Sampling
+    device = get_device(cfg.trainer.device)
+    ray.init(num_cpus=max(os.cpu_count() or 1, engines), include_dashboard=False, log_to_driver=False)
+    handles = [engine_actor(model, cfg.rollout, dtype=cfg.model.dtype,
+                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                            device=device.kind, log_path=os.path.join(out, f"engine-{j}.log"),
+                            tokenizer_path=model, **device.ray_options(1.0)) for j in range(engines)]
+    # The training loop's validation sampling: val_kwargs, its seed, the chat template's stops.
+    stops = tuple(t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+                  if isinstance(t, int) and t >= 0)
+    sampling = Sampling.validation(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed)
+    sampling = Sampling(**{**vars(sampling), "stop_token_ids": stops})
+    items, groups = list(data.items), []
+    try:
+        with tqdm(total=len(items), desc="prompts", unit="prompt", file=sys.stderr) as bar:
+            for start in range(0, len(items), batch * engines):
+                block = items[start:start + batch * engines]
+                shards = [block[j::engines] for j in range(engines)]
+                results = ray.get([h.generate.remote([it.prompt for it in s], sampling)
+                                   for h, s in zip(handles, shards) if s])
+                ordered = [None] * len(block)
+                for j, res in enumerate(results):
+                    for i, g in enumerate(res):
+                        ordered[j + i * engines] = g
+                groups += ordered
+                bar.update(len(block))
+    finally:
+        ray.get([h.shutdown.remote() for h in handles])
+        ray.shutdown()
+    return groups
+
+
+def score(cfg, tokenizer, items, groups) -> list[dict]:
+    """One record per sample: prompt index, data_source, text, answer, correct, length, cut."""
+    from dapo_megatron.reward.manager import RewardManager
+    rows = [(it, g, i) for it, g in zip(items, groups) for i in range(len(g.responses))]
+    texts = tokenizer.batch_decode([g.responses[i] for _, g, i in rows], skip_special_tokens=True)
+    with RewardManager(cfg.reward, cfg.data.max_response_length) as reward:
+        out = reward(texts, [it.ground_truth for it, _, _ in rows], [len(g.responses[i]) for _, g, i in rows],
+                     data_sources=[it.data_source for it, _, _ in rows],
+                     extra_infos=[it.extra_info for it, _, _ in rows])
+    return [{"index": it.index, "sample": i, "data_source": it.data_source, "response": text, "answer": pred,
+             "correct": bool(acc), "score": float(s), "length": len(g.responses[i]),
+             "cut": g.finish_reasons[i] == "length"}
+            for (it, g, i), text, pred, acc, s in zip(rows, texts, out.pred, out.acc.tolist(), out.score.tolist())]
+
+
+def summarize(records: list[dict], n: int) -> dict:
+    """{data_source (and "all"): {avg@n, pass@k, maj@k..., response_length, cut}} averaged over prompts."""
+    from dapo_megatron.reward.metrics import group_metrics, maj_method
+    by_prompt: dict[int, list[dict]] = {}
+    for r in records:
+        by_prompt.setdefault(r["index"], []).append(r)
+    table: dict[str, dict[str, list[float]]] = {}
+    for samples in by_prompt.values():
+        metrics = group_metrics([s["answer"] for s in samples], [s["correct"] for s in samples])
+        metrics["response_length"] = sum(s["length"] for s in samples) / len(samples)
+        metrics["cut"] = sum(s["cut"] for s in samples) / len(samples)
+        for source in (samples[0]["data_source"], "all"):
+            for k, v in metrics.items():
+                table.setdefault(source, {}).setdefault(k, []).append(v)
+    out = {src: {k: sum(vs) / len(vs) for k, vs in cols.items()} for src, cols in table.items()}
+    for src in out:
+        out[src]["prompts"] = len(table[src][f"avg@{n}"])
+    return {"n": n, "maj_method": maj_method(n), "sources": out}
+
+
+def render(summary: dict) -> str:
+    sources = summary["sources"]
+    cols = [c for c in next(iter(sources.values())) if c != "prompts"]
+    lines = [f"{'data_source':<24}{'prompts':>8}" + "".join(f"{c:>16}" for c in cols)]
+    for src in sorted(sources, key=lambda s: (s == "all", s)):
+        row = sources[src]
+        lines.append(f"{src:<24}{row['prompts']:>8}" + "".join(f"{row[c]:>16.4f}" for c in cols))
+    lines.append(f"maj@k: {summary['maj_method']} expectation over subsets of k (reward/metrics.py)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    from dapo_megatron.convert import UsageError
+    from dapo_megatron.data.dataset import DataError
+    from dapo_megatron.train.parallel import WorkerError
+    from dapo_megatron.weights.hf_io import CheckpointError
+    try:
+        cfg, model, out, tokenizer, data, files = load(args)
+    except (ConfigError, DataError, CheckpointError, UsageError, WorkerError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    t0 = time.perf_counter()
+    groups = generate(cfg, model, out, tokenizer, data, args.engines, args.batch)
+    records = score(cfg, tokenizer, data.items, groups)
+    summary = summarize(records, cfg.rollout.val_kwargs.n)
+    summary.update(model=args.model, data=files, seconds=time.perf_counter() - t0)
+    with open(os.path.join(out, "generations.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(render(summary))
+    print(f"wrote {os.path.join(out, 'generations.jsonl')} and summary.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
