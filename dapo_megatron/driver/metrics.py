@@ -13,7 +13,7 @@ import warnings
 from typing import Mapping, Sequence
 
 # The console line shows these, in this order, when present.
-CONSOLE_KEYS = ("reward/mean", "acc/mean", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
+CONSOLE_KEYS = ("reward/mean", "acc/mean", "val/acc", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
                 "actor/grad_norm", "rollout/logprob_diff_max", "sampling/num_gen_batches", "timing/step")
 
 # PNG panels: title -> metric keys drawn in it.

@@ -270,7 +270,9 @@ def test_console_is_one_line_per_step_and_library_output_goes_to_the_log_files(w
     warnings land in <run dir>/logs/."""
     proc, out = whole.proc, whole.out
     lines = proc.stdout.splitlines()
-    assert [line.split(":")[0] for line in lines if line.startswith("step ")] == ["step 1", "step 2"], lines
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [line.split(":")[0] for line in steps] == ["step 1", "step 2"], lines
+    assert "val/acc=" in steps[1] and "val/acc" not in steps[0]  # test_freq 2: step 2 validates
     assert all(_OURS.match(line) for line in lines), [line for line in lines if not _OURS.match(line)]
     console = proc.stdout + proc.stderr
     assert not [s for s in _LIBRARY if s in console], console[-3000:]

@@ -12,12 +12,13 @@ def test_jsonl_console_tensorboard_and_png(tmp_path, capsys):
     log.log(0, {})  # step 0 without a validation set: a jsonl row, no empty console line
     for step in range(1, 4):
         log.log(step, {"reward/mean": 0.1 * step, "acc/mean": 0.5, "timing/step": 1.5, "text": "skip me",
-                       "bad": float("nan")})
+                       "bad": float("nan"), **({"val/acc": 0.25} if step == 3 else {})})
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[3]["reward/mean"] == pytest.approx(0.3) and "text" not in rows[1] and "bad" not in rows[1]
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 3 and out[0].startswith("step 1:") and "reward/mean=0.1" in out[0]
+    assert "val/acc=0.25" in out[2] and "val/acc" not in out[0]  # a validating step shows it
     png = log.plot()
     log.close()
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
