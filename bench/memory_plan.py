@@ -1,0 +1,76 @@
+"""The memory plan against what a CPU rank holds, and the plan of every shipped 30B config.
+
+    python bench/memory_plan.py [--lengths 1024,1536] [--rows 2]
+
+Part 1 builds a MoE model (hidden 512, expert FFN 352, dense FFN 1408, GQA 8:2, 8 experts top-2,
+a 32k vocabulary), takes one fp32 update per length on one gloo rank and measures its peak
+resident set above the idle baseline (tests/distributed/memory_jobs.py: RSS sampled every 2 ms,
+glibc mmaps blocks > 64 KiB so frees leave the RSS); prints the plan's activation and logits
+terms (plan/activations.py, the CPU's unfused attention), the measurement, their ratio, and the
+ratio of the slopes between the lengths. Part 2 prints each 30B config's peak per phase.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "distributed"))
+
+GB = 1e9
+
+
+def measured_vs_planned(lengths: list[int], rows: int) -> None:
+    import memory_jobs
+
+    from dapo_megatron.assets.models import build_tiny_model
+    from dapo_megatron.config.schema import ParallelConfig
+    from dapo_megatron.models.spec import ModelSpec
+    from dapo_megatron.plan.activations import shape_of, training_bytes
+    from dapo_megatron.train.parallel import run_workers
+    hf = build_tiny_model("qwen3_moe", tempfile.mkdtemp(prefix="plan_moe_"), vocab_size=32000, hidden_size=512,
+                          intermediate_size=1408, moe_intermediate_size=352, num_experts=8, num_experts_per_tok=2,
+                          num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+                          max_position_embeddings=max(lengths) * 2)
+    spec = ModelSpec.from_pretrained(hf)
+    shape = shape_of(spec, ParallelConfig(), dtype_bytes=4)
+    peaks = run_workers(memory_jobs.activation_peaks, 1, hf, lengths, rows, timeout_s=1200)[0]
+    print(f"{'tokens':>8}{'activations GB':>16}{'logits GB':>11}{'planned GB':>12}{'measured GB':>13}{'ratio':>7}")
+    planned = []
+    for length, peak in zip(lengths, peaks):
+        t = training_bytes(spec, shape, layers=spec.num_layers, in_flight=1, tokens=rows * length, seq_len=length,
+                           flash=False, recompute="", last_stage=True, entropy_grad=True)
+        planned.append(sum(t.values()))
+        print(f"{rows * length:>8}{t['activations'] / GB:>16.3f}{t['logits'] / GB:>11.3f}{planned[-1] / GB:>12.3f}"
+              f"{peak / GB:>13.3f}{planned[-1] / peak:>7.3f}")
+    for i in range(1, len(lengths)):
+        print(f"slope {lengths[i - 1]} -> {lengths[i]}: planned / measured "
+              f"{(planned[i] - planned[i - 1]) / (peaks[i] - peaks[i - 1]):.3f}")
+
+
+def shipped_configs() -> None:
+    from dapo_megatron.config import available_configs, load_config
+    from dapo_megatron.plan import GiB, make_plan
+    from dapo_megatron.plan.__main__ import model_spec
+    print(f"\n{'config':<34}" + "".join(f"{p:>13}" for p in ("generate", "log-probs", "update", "weight sync"))
+          + f"{'device':>8}")
+    for name in (n for n in available_configs() if "30b" in n):
+        cfg = load_config(name, [])
+        memory = (64 if "npu" in name else 80) * GiB
+        plan = make_plan(cfg, model_spec(cfg), memory)
+        print(f"{name:<34}" + "".join(f"{p.total / GiB:>13.1f}" for p in plan.phases) + f"{memory / GiB:>8.0f}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--lengths", default="1024,1536")
+    p.add_argument("--rows", type=int, default=2)
+    args = p.parse_args()
+    measured_vs_planned([int(x) for x in args.lengths.split(",")], args.rows)
+    shipped_configs()
+
+
+if __name__ == "__main__":
+    main()
