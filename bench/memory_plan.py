@@ -40,7 +40,7 @@ def measured_vs_planned(lengths: list[int], rows: int) -> None:
     print(f"{'tokens':>8}{'activations GB':>16}{'logits GB':>11}{'planned GB':>12}{'measured GB':>13}{'ratio':>7}")
     planned = []
     for length, peak in zip(lengths, peaks):
-        t = training_bytes(spec, shape, layers=spec.num_layers, in_flight=1, tokens=rows * length, seq_len=length,
+        t = training_bytes(shape, layers=spec.num_layers, in_flight=1, tokens=rows * length, seq_len=length,
                            flash=False, recompute="", last_stage=True, entropy_grad=True)
         planned.append(sum(t.values()))
         print(f"{rows * length:>8}{t['activations'] / GB:>16.3f}{t['logits'] / GB:>11.3f}{planned[-1] / GB:>12.3f}"

@@ -69,7 +69,7 @@ def load(args):
 
     from dapo_megatron.assets import resolve_asset_path
     from dapo_megatron.data.dataset import PromptDataset
-    from dapo_megatron.driver.setup import _image_token_counter, _tool_schemas
+    from dapo_megatron.driver.setup import image_token_counter, tool_schemas
     from dapo_megatron.models import ModelSpec
     run_config = _checkpoint_run_config(args.model)
     cfg = load_run_config(run_config, args.overrides) if run_config else load_config(args.config_name, args.overrides)
@@ -84,8 +84,8 @@ def load(args):
         raise ConfigError("--data", "no data: pass --data FILE (or set data.val_files)")
     data = PromptDataset(files, tokenizer, prompt_key=cfg.data.prompt_key, max_prompt_length=cfg.data.max_prompt_length,
                          truncation=cfg.data.truncation, skip_bad_rows=cfg.data.skip_bad_rows, config_key="--data",
-                         tools=_tool_schemas(cfg, tokenizer, "--model"),
-                         image_tokens=_image_token_counter(spec, model, "--model"))
+                         tools=tool_schemas(cfg, tokenizer, "--model"),
+                         image_tokens=image_token_counter(spec, model, "--model"))
     v = cfg.rollout.val_kwargs
     for key, value in (("n", args.n), ("temperature", args.temperature), ("top_p", args.top_p)):
         if value is not None:
@@ -101,6 +101,7 @@ def generate(cfg, model: str, out: str, tokenizer, data, engines: int, batch: in
     from tqdm import tqdm
 
     from dapo_megatron.device import get_device
+    from dapo_megatron.driver.setup import stop_token_ids
     from dapo_megatron.rollout.actor import engine_actor
     from dapo_megatron.rollout.types import Sampling
     device = get_device(cfg.trainer.device)
@@ -110,10 +111,8 @@ def generate(cfg, model: str, out: str, tokenizer, data, engines: int, batch: in
                             device=device.kind, log_path=os.path.join(out, f"engine-{j}.log"),
                             tokenizer_path=model, **device.ray_options(1.0)) for j in range(engines)]
     # The training loop's validation sampling: val_kwargs, its seed, the chat template's stops.
-    stops = tuple(t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
-                  if isinstance(t, int) and t >= 0)
     sampling = Sampling.validation(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed)
-    sampling = Sampling(**{**vars(sampling), "stop_token_ids": stops})
+    sampling = Sampling(**{**vars(sampling), "stop_token_ids": stop_token_ids(tokenizer)})
     items, groups = list(data.items), []
     try:
         with tqdm(total=len(items), desc="prompts", unit="prompt", file=sys.stderr) as bar:

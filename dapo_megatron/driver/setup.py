@@ -117,8 +117,8 @@ def prepare(cfg: DapoConfig) -> Context:
     if not getattr(tokenizer, "chat_template", None):  # rows are chat messages: every one would fail
         raise ConfigError(tokenizer_key, f"{tokenizer_key} {tokenizer_dir}: the tokenizer has no chat template "
                                          f"(chat_template.jinja or tokenizer_config.json's chat_template)")
-    tools = _tool_schemas(cfg, tokenizer, tokenizer_key)
-    image_tokens = _image_token_counter(spec, tokenizer_dir, tokenizer_key)
+    tools = tool_schemas(cfg, tokenizer, tokenizer_key)
+    image_tokens = image_token_counter(spec, tokenizer_dir, tokenizer_key)
     data = _resolved(cfg.data)
     train_data = PromptDataset.from_config(data, tokenizer, "train", tools=tools, image_tokens=image_tokens)
     val_data = (PromptDataset.from_config(data, tokenizer, "val", tools=tools, image_tokens=image_tokens)
@@ -136,8 +136,7 @@ def prepare(cfg: DapoConfig) -> Context:
         _absolute_custom_fn(cfg), tokenizer_dir, handle, log_file(cfg.trainer.default_local_dir, "reward"))
     dataplane.start(cfg.data_plane)
     as_role("actor", placement.train.setup, total)
-    stops = tuple(t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
-                  if isinstance(t, int) and t >= 0)
+    stops = stop_token_ids(tokenizer)
     return Context(cfg, model_path, spec, tokenizer, train_data, val_data, placement, reward,
                    dataplane.connect(handle), cfg.trainer.default_local_dir, total, stops)
 
@@ -162,7 +161,13 @@ def _absolute_custom_fn(cfg: DapoConfig) -> DapoConfig:
     return dataclasses.replace(cfg, reward=reward)
 
 
-def _image_token_counter(spec, tokenizer_dir: str, key: str):
+def stop_token_ids(tokenizer) -> tuple[int, ...]:
+    """Where a validation answer ends: the tokenizer's eos and the chat template's end of turn."""
+    return tuple(t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")}
+                 if isinstance(t, int) and t >= 0)
+
+
+def image_token_counter(spec, tokenizer_dir: str, key: str):
     """A vision-language model's prompts are counted with their images expanded (the engine's
     image processor sizes them: device/vision.py); None for a text model."""
     if spec.vision_config is None:
@@ -176,7 +181,7 @@ def _image_token_counter(spec, tokenizer_dir: str, key: str):
     return partial(image_token_counts, processor)
 
 
-def _tool_schemas(cfg: DapoConfig, tokenizer, tokenizer_key: str) -> list[dict] | None:
+def tool_schemas(cfg: DapoConfig, tokenizer, tokenizer_key: str) -> list[dict] | None:
     """Multi-turn only: load rollout.tools here (a bad entry is one line before Ray starts), check
     the chat template renders tool messages, and return the schemas the prompts list."""
     if not cfg.rollout.multi_turn.enable:

@@ -115,8 +115,7 @@ def device_bytes(cfg, override_gb: float = 0.0) -> tuple[float | None, bool]:
         return gb * GiB, device.flash_attention
     if kind == "cpu":
         return device.total_memory_bytes() / cfg.trainer.n_gpus_per_node, False
-    seen = device.total_memory_bytes() if Device(detect()).kind == kind else None
-    return seen, device.flash_attention
+    return (device.total_memory_bytes() if detect() == kind else None), device.flash_attention
 
 
 def make_plan(cfg, spec, memory: float | None, *, flash: bool = True) -> Plan:
@@ -124,7 +123,7 @@ def make_plan(cfg, spec, memory: float | None, *, flash: bool = True) -> Plan:
     a, r = cfg.actor, cfg.rollout
     devices = role_devices(cfg)
     p = a.parallel
-    lay = Layout(world=devices["actor"], tp=p.tp, pp=p.pp, vpp=p.vpp, ep=p.ep, etp=p.etp, cp=p.cp)
+    lay = Layout.of(p, devices["actor"])
     state, stage = worst_rank_state(spec, lay, dtype=cfg.model.dtype,
                                     distributed_optimizer=a.optim.use_distributed_optimizer)
     s = shape_of(spec, p, dtype_bytes=DTYPE_BYTES[cfg.model.dtype])
@@ -133,16 +132,15 @@ def make_plan(cfg, spec, memory: float | None, *, flash: bool = True) -> Plan:
     layers = spec.num_layers // p.pp
     recompute = a.recompute_granularity
     # The first stage keeps pp micro-batches in flight under 1F1B, the last one its logits.
-    first = training_bytes(spec, s, layers=layers, in_flight=p.pp, tokens=tokens, seq_len=seq, flash=flash,
+    first = training_bytes(s, layers=layers, in_flight=p.pp, tokens=tokens, seq_len=seq, flash=flash,
                            recompute=recompute, last_stage=p.pp == 1, entropy_grad=a.entropy_coeff != 0)
-    last = training_bytes(spec, s, layers=layers, in_flight=1, tokens=tokens, seq_len=seq, flash=flash,
+    last = training_bytes(s, layers=layers, in_flight=1, tokens=tokens, seq_len=seq, flash=flash,
                           recompute=recompute, last_stage=True, entropy_grad=a.entropy_coeff != 0)
     train = max(first, last, key=lambda t: sum(t.values()))
     forward = (layer_bytes_per_token(s, seq, flash=flash, recompute="") * tokens
                + logits_bytes(s, tokens, backward=False, entropy_grad=False))
-    ref = reference_params(spec, Layout(world=devices["ref"], tp=cfg.ref.parallel.tp, pp=cfg.ref.parallel.pp,
-                                        vpp=cfg.ref.parallel.vpp, ep=cfg.ref.parallel.ep, etp=cfg.ref.parallel.etp),
-                           dtype=cfg.model.dtype) if a.use_kl_loss else 0
+    ref = (reference_params(spec, Layout.of(cfg.ref.parallel, devices["ref"]), dtype=cfg.model.dtype)
+           if a.use_kl_loss else 0)
     engine, notes = _engine(cfg, spec, memory)
     share = r.gpu_memory_utilization * memory if memory else sum(engine.values())
     colocated = cfg.trainer.placement == "colocated"

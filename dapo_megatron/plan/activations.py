@@ -82,7 +82,7 @@ def logits_bytes(s: Shape, tokens: int, *, backward: bool, entropy_grad: bool) -
     return tokens * per_token
 
 
-def training_bytes(spec, s: Shape, *, layers: int, in_flight: int, tokens: int, seq_len: int, flash: bool,
+def training_bytes(s: Shape, *, layers: int, in_flight: int, tokens: int, seq_len: int, flash: bool,
                    recompute: str, last_stage: bool, entropy_grad: bool) -> dict[str, float]:
     """{term: bytes} of one rank's update: the layers' saved activations for `in_flight`
     micro-batches (plus one layer's recomputation under full recompute) and, on the last

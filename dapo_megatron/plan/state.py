@@ -44,6 +44,11 @@ class Layout:
     etp: int = 1
     cp: int = 1
 
+    @classmethod
+    def of(cls, parallel, world: int) -> "Layout":
+        """From a ParallelConfig (actor.parallel, ref.parallel) over `world` ranks."""
+        return cls(world, parallel.tp, parallel.pp, parallel.vpp, parallel.ep, parallel.etp, parallel.cp)
+
     @property
     def dp(self) -> int:  # the dense parameters' data-parallel group (with CP folded in)
         return self.world // (self.tp * self.pp)

@@ -68,16 +68,16 @@ def test_the_driver_counts_prompt_images_with_the_models_processor(vl_dir, tmp_p
     from PIL import Image
 
     from dapo_megatron.config.errors import ConfigError
-    from dapo_megatron.driver.setup import _image_token_counter
+    from dapo_megatron.driver.setup import image_token_counter
     from dapo_megatron.models import ModelSpec
     spec = ModelSpec.from_pretrained(str(vl_dir))
-    count = _image_token_counter(spec, str(vl_dir), "model.path")
+    count = image_token_counter(spec, str(vl_dir), "model.path")
     images = (Image.fromarray(np.zeros((64, 96, 3), dtype=np.uint8)), Image.fromarray(np.zeros((32, 32, 3), np.uint8)))
     assert count(images) == [6 * 4, 2 * 2]  # 8-pixel patches merged 2x2: (64/16) x (96/16), (32/16) x (32/16)
     text_spec = ModelSpec.from_hf(dict(TINY_VL_MOE["text_config"], model_type="qwen3_moe"))
-    assert _image_token_counter(text_spec, str(vl_dir), "model.path") is None
+    assert image_token_counter(text_spec, str(vl_dir), "model.path") is None
     broken = tmp_path / "no_processor"
     shutil.copytree(vl_dir, broken)
     (broken / "preprocessor_config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="model.tokenizer_path .*no_processor: cannot load the image processor"):
-        _image_token_counter(spec, str(broken), "model.tokenizer_path")
+        image_token_counter(spec, str(broken), "model.tokenizer_path")
