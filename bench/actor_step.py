@@ -43,8 +43,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "distr
 import actor_jobs  # noqa: E402  (batch and config builders shared with the tests)
 
 from dapo_megatron.device import get_device  # noqa: E402
+from dapo_megatron.dtypes import DTYPES  # noqa: E402
 
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_TORCH_DTYPES = {name: row.torch for name, row in DTYPES.items()}
 _PEAK_TFLOPS = {"bf16": 989.0, "fp32": 67.0}  # H100 SXM: dense bf16 tensor cores, fp32 non-tensor
 
 

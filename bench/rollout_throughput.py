@@ -69,10 +69,11 @@ def _text_rows(args, tmp: str) -> list[tuple[str, str]]:
     from dapo_megatron.batch import Prompt
     from dapo_megatron.config.schema import RolloutConfig
     from dapo_megatron.rollout.engine import Engine
+    from dapo_megatron.rollout.engine_spec import EngineSpec
     from dapo_megatron.rollout.types import Sampling
     path = build_tiny_model(args.kind, f"{tmp}/m", vocab_size=1024, seed=0)
-    engine = Engine(path, RolloutConfig(enforce_eager=True), dtype=args.dtype,
-                    max_model_len=args.prompt_len + args.max_tokens + 8)
+    engine = Engine(EngineSpec.from_model(path, RolloutConfig(enforce_eager=True), dtype=args.dtype,
+                    max_model_len=args.prompt_len + args.max_tokens + 8))
     rows = [("engine start-up (in-process)", f"{engine.startup_s:.1f} s")]
     g = torch.Generator().manual_seed(0)
     prompts = [Prompt(tuple(p)) for p in torch.randint(0, 1024, (args.prompts, args.prompt_len), generator=g).tolist()]
@@ -95,6 +96,7 @@ def _vl_rows(args, tmp: str) -> list[tuple[str, str]]:
     from dapo_megatron.data import geo3k_synth
     from dapo_megatron.device.vision import load_processor
     from dapo_megatron.rollout.engine import Engine
+    from dapo_megatron.rollout.engine_spec import EngineSpec
     from dapo_megatron.rollout.types import Sampling
     path = str(build_vl_assets(f"{tmp}/vl"))
     tokenizer = load_processor(path).tokenizer
@@ -105,7 +107,7 @@ def _vl_rows(args, tmp: str) -> list[tuple[str, str]]:
     # ignore_eos: the bundle's tokenizer has an EOS the text twin never stops on; both run to max_tokens
     sampling = Sampling(n=args.n, temperature=1.0, max_tokens=args.max_tokens, seed=0, ignore_eos=True)
     rows = []
-    engine = Engine(path, RolloutConfig(enforce_eager=True), dtype=args.dtype, max_model_len=1024)
+    engine = Engine(EngineSpec.from_model(path, RolloutConfig(enforce_eager=True), dtype=args.dtype, max_model_len=1024))
     rows.append(("engine start-up, VL", f"{engine.startup_s:.1f} s"))
     groups, vl_value = _generate(engine, prompts[:-2], prompts[-2:], sampling, per="images")
     lengths = [len(g.prompt) for g in groups]  # the prompts as vLLM expanded them
@@ -117,7 +119,7 @@ def _vl_rows(args, tmp: str) -> list[tuple[str, str]]:
     text_cfg = {k: v for k, v in TINY_VL_MOE["text_config"].items()
                 if k not in ("vocab_size", "rope_parameters", "tie_word_embeddings")}
     text_path = build_tiny_model("qwen3_moe", f"{tmp}/text", vocab_size=509, seed=0, **text_cfg)
-    engine = Engine(text_path, RolloutConfig(enforce_eager=True), dtype=args.dtype, max_model_len=1024)
+    engine = Engine(EngineSpec.from_model(text_path, RolloutConfig(enforce_eager=True), dtype=args.dtype, max_model_len=1024))
     rows.append(("engine start-up, text", f"{engine.startup_s:.1f} s"))
     g = torch.Generator().manual_seed(0)
     text = [Prompt(tuple(torch.randint(0, 500, (n,), generator=g).tolist())) for n in lengths + lengths[:2]]
@@ -151,13 +153,14 @@ def main() -> None:
         t0 = time.perf_counter()
         import vllm.v1.engine.llm_engine  # noqa: F401  (timed apart from the engine start)
         from dapo_megatron.rollout.engine import Engine
+        from dapo_megatron.rollout.engine_spec import EngineSpec
         rows.append(("import vllm + engine module", f"{time.perf_counter() - t0:.1f} s"))
         rows += _vl_rows(args, tmp) if args.vl else _text_rows(args, tmp)
         if args.push_hidden and not args.vl:  # a wider model, so that per-byte costs show
             kw = dict(hidden_size=args.push_hidden, moe_intermediate_size=args.push_hidden // 2,
                       intermediate_size=2 * args.push_hidden, num_experts=16)
             path = build_tiny_model(args.kind, f"{tmp}/wide", vocab_size=1024, seed=0, **kw)
-            engine = Engine(path, RolloutConfig(enforce_eager=True), dtype=args.dtype, max_model_len=64)
+            engine = Engine(EngineSpec.from_model(path, RolloutConfig(enforce_eager=True), dtype=args.dtype, max_model_len=64))
             rows += _push_rows(engine, path, max(1, args.push_repeats // 2))
             engine.shutdown()
 

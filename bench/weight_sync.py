@@ -74,7 +74,7 @@ def _raw_broadcast(nbytes: int, bucket_bytes: int, repeats: int, device: str) ->
     import ray
     import torch
     from dapo_megatron.device import get_device
-    from dapo_megatron.train.parallel import free_port
+    from dapo_megatron.parallel import free_port
     from dapo_megatron.weights import transport
 
     @ray.remote(num_cpus=0)

@@ -22,6 +22,9 @@ from types import SimpleNamespace
 
 import torch
 
+from dapo_megatron.parallel import coords
+from dapo_megatron.train.parallel import WorkerError, init_parallel, run_workers
+
 DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
                    "Solve for x: 3x + 5 = 20. First,"]
 
@@ -34,18 +37,17 @@ def megatron_logits(chunks, tokens: torch.Tensor, images: list | None = None) ->
     Returned on the last pipeline stage's TP rank 0; None elsewhere. T must divide by TP when
     sequence parallel is on.
     """
-    from megatron.core import parallel_state as mpu
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from dapo_megatron.weights.load import unwrap
-    spec = unwrap(chunks[0]).spec
+    spec, c = unwrap(chunks[0]).spec, coords()
     b, t = tokens.shape
     images = images or [None] * b
     rows = [SimpleNamespace(tokens=row, **(dict(zip(("pixel_values", "image_grid_thw"), img)) if img else {}))
             for row, img in zip(tokens.split(1), images)]  # one micro-batch per row
     if len(chunks) > 1:  # the interleaved schedule wants at least PP micro-batches
-        rows += [rows[0]] * max(0, mpu.get_pipeline_model_parallel_world_size() - len(rows))
+        rows += [rows[0]] * max(0, c.pp - len(rows))
     captured = []
 
     def forward_step(data_iterator, model):
@@ -61,8 +63,7 @@ def megatron_logits(chunks, tokens: torch.Tensor, images: list | None = None) ->
         get_forward_backward_func()(
             forward_step_func=forward_step, data_iterator=[iter(rows) for _ in chunks],
             model=chunks, num_microbatches=len(rows), seq_length=t, micro_batch_size=1, forward_only=True)
-    last = mpu.is_pipeline_last_stage(ignore_virtual=True)
-    if not (last and captured and mpu.get_tensor_model_parallel_rank() == 0):
+    if not (c.is_last_stage() and captured and c.tp_rank == 0):
         return None
     return torch.cat(captured[:b], dim=0)  # [B, T, V]
 
@@ -70,7 +71,6 @@ def megatron_logits(chunks, tokens: torch.Tensor, images: list | None = None) ->
 def _worker(hf_dir: str, ckpt: str | None, layout: dict, prompts: list, images: list) -> list:
     from dapo_megatron.config.schema import ParallelConfig
     from dapo_megatron.models import ModelSpec, build_model
-    from dapo_megatron.train.parallel import init_parallel
     from dapo_megatron.weights import load_hf_checkpoint
     init_parallel(ParallelConfig(**layout))
     chunks = build_model(ModelSpec.from_pretrained(hf_dir), dtype="fp32", perform_initialization=False)
@@ -148,7 +148,6 @@ def verify(hf_dir: str, layout: dict, texts: list[str], ckpt: str | None = None,
     from dapo_megatron.convert import checked_layout, world_for_layout
     from dapo_megatron.models import ModelSpec
     from dapo_megatron.train.integrity import check
-    from dapo_megatron.train.parallel import run_workers
     spec = ModelSpec.from_pretrained(hf_dir)
     layout = checked_layout(layout, spec)
     if ckpt:
@@ -180,7 +179,6 @@ def main(argv=None) -> int:
                    help="vision-language model: a random image of this patch grid before each prompt (e.g. 1x8x12)")
     p.add_argument("--tol", type=float, default=1e-4)
     args = p.parse_args(argv)
-    from dapo_megatron.train.parallel import WorkerError
     from dapo_megatron.weights import CheckpointError
     layout = dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     try:

@@ -11,8 +11,9 @@ A field has a scope, which says what it is indexed by, and a storage dtype and p
 
 Selecting samples, joining batches, building a batch from per-sample values, splitting it over
 DP ranks and packing micro-batches (`train/microbatch.py`) all iterate `FIELDS`, so a new field
-(image grids, routed experts) is one row here plus the code that fills it. Between processes the
-driver passes Ray references to batches, never their contents.
+(image grids, routed experts) is one row here plus the code that fills it. Each row also says who
+writes it, which passes read it and where it lives between processes (data plane, the driver's
+StepBatch metadata, or in-process batches only); the passes' column lists are derived from it.
 """
 from __future__ import annotations
 
@@ -25,6 +26,14 @@ SAMPLE, SEQUENCE, TOKEN, POSITION, IMAGE = "sample", "sequence", "token", "posit
 SCOPES = (SAMPLE, SEQUENCE, TOKEN, POSITION, IMAGE)
 
 
+# Where a field lives between processes: a data-plane column (tokens: the engines write, ranks
+# read their share), the driver's StepBatch metadata (a few numbers per response), or only in
+# in-process batches (tools and checks).
+PLANE, STEP, LOCAL = "plane", "step", "local"
+# Who reads a plane field: the reward worker, the log-prob passes (actor old / ref), the update.
+READ_BY_REWARD, READ_BY_LOGPROBS, READ_BY_UPDATE = "reward", "logprobs", "update"
+
+
 @dataclass(frozen=True)
 class Field:
     name: str
@@ -32,28 +41,49 @@ class Field:
     dtype: Optional[torch.dtype]  # storage dtype; None: a Python value per sample (scope sample only)
     pad: float = 0  # value of padded positions / rows
     doc: str = ""
+    writer: str = "engine"  # engine | reward | actor | ref | manager | driver
+    readers: tuple[str, ...] = ()  # READ_BY_*: the passes that read a plane field
+    where: str = PLANE  # PLANE | STEP | LOCAL
 
 
+_PASSES = (READ_BY_LOGPROBS, READ_BY_UPDATE)
 FIELDS: dict[str, Field] = {f.name: f for f in [
-    Field("prompts", SEQUENCE, torch.long, doc="prompt token ids as the engine saw them"),
-    Field("responses", SEQUENCE, torch.long, doc="response token ids"),
-    Field("loss_mask", TOKEN, torch.float32, doc="1 on response tokens the loss sees (default: all of them)"),
-    Field("rollout_logprobs", TOKEN, torch.float32, doc="log p(token) from the engine"),
-    Field("old_logprobs", TOKEN, torch.float32, doc="the actor's, recomputed before the update"),
-    Field("ref_logprobs", TOKEN, torch.float32, doc="the reference model's"),
-    Field("group", SAMPLE, torch.long, doc="the group (prompt) of the sample within the step"),
-    Field("prompt_index", SAMPLE, torch.long, doc="dataset index of the prompt"),
-    Field("scores", SAMPLE, torch.float32, doc="reward after shaping"),
-    Field("acc", SAMPLE, torch.bool, doc="answer correct"),
-    Field("advantages", SAMPLE, torch.float32, doc="GRPO advantage of the response (every token's)"),
-    Field("finish_reasons", SAMPLE, None, doc="stop | length | abort"),
-    Field("routed_experts", POSITION, torch.int16, pad=-1,
-          doc="[layers, top_k] expert ids per position (engine or old-log-prob pass); -1: unknown"),
+    Field("prompts", SEQUENCE, torch.long, doc="prompt token ids as the engine saw them", readers=_PASSES),
+    Field("responses", SEQUENCE, torch.long, doc="response token ids", readers=(READ_BY_REWARD, *_PASSES)),
+    Field("loss_mask", TOKEN, torch.float32, doc="1 on response tokens the loss sees (default: all of them)",
+          readers=_PASSES),
+    Field("rollout_logprobs", TOKEN, torch.float32, doc="log p(token) from the engine", readers=_PASSES),
+    Field("old_logprobs", TOKEN, torch.float32, doc="the actor's, recomputed before the update", writer="actor",
+          readers=(READ_BY_UPDATE,)),
+    Field("ref_logprobs", TOKEN, torch.float32, doc="the reference model's", writer="ref", readers=(READ_BY_UPDATE,)),
+    Field("group", SAMPLE, torch.long, doc="the group (prompt) of the sample within the step", writer="manager",
+          where=STEP),
+    Field("prompt_index", SAMPLE, torch.long, doc="dataset index of the prompt", writer="manager", where=LOCAL),
+    Field("scores", SAMPLE, torch.float32, doc="reward after shaping", writer="reward", where=STEP),
+    Field("acc", SAMPLE, torch.bool, doc="answer correct", writer="reward", where=STEP),
+    Field("advantages", SAMPLE, torch.float32, doc="GRPO advantage of the response (every token's)",
+          writer="driver", where=STEP),
+    Field("finish_reasons", SAMPLE, None, doc="stop | length | abort", where=LOCAL),
+    Field("routed_experts", POSITION, torch.int16, pad=-1, readers=_PASSES,
+          doc="[layers, top_k] expert ids per position (engine, or the actor's old-log-prob pass); -1: unknown"),
     # Vision-language prompts: what the engine's image processor made of the prompt's images. The
     # n responses of a prompt share one stored copy (dataplane: one image row per group).
-    Field("pixel_values", IMAGE, torch.float32, doc="[N_patches, C*T*P*P] patch rows of the prompt's images"),
-    Field("image_grid_thw", IMAGE, torch.long, doc="[N_images, 3] (t, h, w) patch grid of each image, in order"),
+    Field("pixel_values", IMAGE, torch.float32, doc="[N_patches, C*T*P*P] patch rows of the prompt's images",
+          readers=_PASSES),
+    Field("image_grid_thw", IMAGE, torch.long, doc="[N_images, 3] (t, h, w) patch grid of each image, in order",
+          readers=_PASSES),
 ]}
+
+
+def read_by(reader: str) -> tuple[str, ...]:
+    """The plane fields `reader` (READ_BY_*) reads, in table order: computed at call time, so a
+    row added to FIELDS reaches the passes with no other edit."""
+    return tuple(name for name, f in FIELDS.items() if f.where == PLANE and reader in f.readers)
+
+
+def step_fields() -> tuple[str, ...]:
+    """The fields a StepBatch carries as metadata (the manager's, the reward's, the driver's)."""
+    return tuple(name for name, f in FIELDS.items() if f.where == STEP)
 
 
 @dataclass(frozen=True)

@@ -19,8 +19,6 @@ import shutil
 import sys
 
 META_FILE = "dapo_megatron.json"  # layout and dtype the checkpoint was written with
-_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-_TORCH_NAMES = {v: k for k, v in _DTYPE_NAMES.items()}
 _OPTIMIZER_KEY = re.compile(r"(chained_\d+\.)?optimizer\.")  # a training checkpoint's Adam state
 
 
@@ -225,14 +223,15 @@ def _publish(tmp: str, out: str) -> None:
 
 def _copy_aux(src: str, dst: str, dtype: str | None = None) -> None:
     """Copy config / tokenizer files; with `dtype`, record it in config.json."""
+    from dapo_megatron.dtypes import DTYPES
     from dapo_megatron.weights import hf_io
     hf_io.copy_hf_files(src, dst)
     if dtype:
         path = os.path.join(dst, "config.json")
         cfg = _read_json(path)
-        cfg["dtype"] = _TORCH_NAMES[dtype]
+        cfg["dtype"] = DTYPES[dtype].hf
         if "torch_dtype" in cfg:  # the transformers 4 name of the same field
-            cfg["torch_dtype"] = _TORCH_NAMES[dtype]
+            cfg["torch_dtype"] = DTYPES[dtype].hf
         with open(path, "w") as f:
             json.dump(cfg, f, indent=2)
 
@@ -249,8 +248,11 @@ def _read_json(path: str, key: str | None = None):
 
 
 def _hf_dtype(hf_dir: str) -> str:
+    """Our name of an HF checkpoint's dtype (fp32 when config.json names none we know)."""
+    from dapo_megatron.dtypes import BY_ANY_NAME, DTYPES
     cfg = _read_json(os.path.join(hf_dir, "config.json"))
-    return _DTYPE_NAMES.get(cfg.get("dtype") or cfg.get("torch_dtype") or "float32", "fp32")
+    hf_name = str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32").lower()
+    return BY_ANY_NAME.get(hf_name, DTYPES["fp32"]).name
 
 
 def _ckpt_dtype(ckpt: str, hf_config: str) -> str:
@@ -377,6 +379,7 @@ def build_parser() -> argparse.ArgumentParser:
         for name, what in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert"), ("etp", "expert-tensor")):
             s.add_argument(f"--{name}", type=int, default=1, help=f"{what} parallel degree to {verb} the "
                            "Megatron checkpoint at (any layout loads any other)")
+        # dtypes.DTYPES's names, written out so that --help imports no torch (tests/unit/test_config.py)
         s.add_argument("--dtype", choices=["keep", "bf16", "fp32", "fp16"], default="keep",
                        help="dtype of the output (keep: that of the input)")
         s.add_argument("--force", action="store_true", help="overwrite an existing --out")

@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from dapo_megatron.batch import FIELDS, IMAGE, SAMPLE, RolloutBatch
+from dapo_megatron.batch import FIELDS, IMAGE, SAMPLE, RolloutBatch, step_fields
 
 BACKENDS = ("transfer_queue",)
 _BYTES_TAG = "bytes/"  # tags "bytes/<writer>": what each writer stored for a key (resident size)
@@ -206,30 +206,49 @@ class StepBatch:
         return len(self.keys)
 
 
-def read_batch(plane: DataPlane, step: StepBatch, rows: Sequence[int], fields: Sequence[str]) -> RolloutBatch:
+def read_batch(plane: DataPlane, step: StepBatch, rows: Sequence[int], fields: Sequence[str],
+               cache: Optional[dict] = None) -> RolloutBatch:
     """The RolloutBatch of `rows` of the step (in that order): `fields` from the data plane (those
-    stored), the per-response metadata (group, scores, acc, advantages) from `step`."""
+    stored), the StepBatch metadata fields (`batch.step_fields`: group, scores, acc, advantages)
+    from `step`. With `cache` (key -> the row's fields, kept by the caller for one step) a row's
+    field is read from the plane once per step however many passes ask for it."""
+    cache = {} if cache is None else cache
     stored = [f for f in fields if f in step.fields]
     images = [f for f in stored if FIELDS[f].scope == IMAGE]
-    samples = plane.get(step.partition, [step.keys[i] for i in rows], [f for f in stored if f not in images])
+    keys = [step.keys[i] for i in rows]
+    _fill(plane, step.partition, keys, [f for f in stored if f not in images], cache)
+    samples = [{f: cache[k][f] for f in stored if f not in images} for k in keys]
     if images and step.image_keys:
-        _read_images(plane, step, rows, images, samples)
+        _read_images(plane, step, rows, images, samples, cache)
     for i, sample in zip(rows, samples):
-        sample.update(group=step.group[i], scores=step.scores[i], acc=step.acc[i])
-        if step.advantages:
-            sample["advantages"] = step.advantages[i]
+        for name in step_fields():
+            values = getattr(step, name)
+            if values:  # advantages: set by the driver before the update
+                sample[name] = values[i]
     return RolloutBatch.from_samples(samples)
 
 
+def _fill(plane: DataPlane, partition: str, keys: Sequence[str], fields: Sequence[str], cache: dict) -> None:
+    """Read what `cache` lacks of `fields` for `keys`: one get per set of missing fields."""
+    wanted: dict[tuple[str, ...], list[str]] = {}
+    for k in dict.fromkeys(keys):
+        missing = tuple(f for f in fields if f not in cache.get(k, {}))
+        if missing:
+            wanted.setdefault(missing, []).append(k)
+    for missing, ks in wanted.items():
+        for k, row in zip(ks, plane.get(partition, ks, list(missing))):
+            cache.setdefault(k, {}).update(row)
+
+
 def _read_images(plane: DataPlane, step: StepBatch, rows: Sequence[int], fields: Sequence[str],
-                 samples: list[dict]) -> None:
+                 samples: list[dict], cache: dict) -> None:
     """Add the image fields to `samples`: each image row is read once however many of the rows
     share it (a group's n responses), and a text prompt's rows get empty ones ([0, ...])."""
     keys = [step.image_keys[i] for i in rows]
     unique = sorted({k for k in keys if k})
     if not unique:
         return
-    images = dict(zip(unique, plane.get(step.partition, unique, fields)))
-    empty = {name: images[unique[0]][name][:0] for name in fields}
+    _fill(plane, step.partition, unique, fields, cache)
+    empty = {name: cache[unique[0]][name][:0] for name in fields}
     for sample, key in zip(samples, keys):
-        sample.update(images[key] if key else empty)
+        sample.update({name: cache[key][name] for name in fields} if key else empty)

@@ -103,13 +103,14 @@ def generate(cfg, model: str, out: str, tokenizer, data, engines: int, batch: in
     from dapo_megatron.device import get_device
     from dapo_megatron.driver.setup import stop_token_ids
     from dapo_megatron.rollout.actor import engine_actor
+    from dapo_megatron.rollout.engine_spec import EngineSpec
     from dapo_megatron.rollout.types import Sampling
     device = get_device(cfg.trainer.device)
     ray.init(num_cpus=max(os.cpu_count() or 1, engines), include_dashboard=False, log_to_driver=False)
-    handles = [engine_actor(model, cfg.rollout, dtype=cfg.model.dtype,
-                            max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                            device=device.kind, log_path=os.path.join(out, f"engine-{j}.log"),
-                            tokenizer_path=model, **device.ray_options(1.0)) for j in range(engines)]
+    spec = EngineSpec.from_model(model, cfg.rollout, dtype=cfg.model.dtype, tokenizer_path=model,
+                                 max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+    handles = [engine_actor(spec, device=device.kind, log_path=os.path.join(out, f"engine-{j}.log"),
+                            **device.ray_options(1.0)) for j in range(engines)]
     # The training loop's validation sampling: val_kwargs, its seed, the chat template's stops.
     sampling = Sampling.validation(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed)
     sampling = Sampling(**{**vars(sampling), "stop_token_ids": stop_token_ids(tokenizer)})

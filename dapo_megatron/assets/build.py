@@ -33,6 +33,7 @@ import tokenizers
 import torch
 import transformers
 
+from dapo_megatron.assets import tools
 from dapo_megatron.assets.models import build_tiny_model
 from dapo_megatron.assets.tokenizer import build_tokenizer, special_token_ids
 from dapo_megatron.assets.warmup import sampled_accuracy, supervised_warmup
@@ -95,7 +96,6 @@ def build_tool_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, f
                       log: Callable[[str], None] = print, accuracy: bool = True) -> Path:
     """The tool task's bundle (assets/tools.py) into `out_dir`, atomically, like `build_assets`
     (`accuracy=False`: without the manifest's accuracy figures)."""
-    from dapo_megatron.assets import tools
     want = {"asset_version": tools.TOOLS_VERSION, "seed": seed, "warmup_steps": tools.WARMUP_STEPS,
             "target_accuracy": tools.TARGET_ACCURACY}
 
@@ -219,18 +219,8 @@ def _build_model(kind: str, model_dir: Path, tokenizer_dir: Path, tokenizer, *, 
         stats.update(_warm_up(model, tokenizer, seed=seed, max_steps=warmup_steps))
         with _quiet_progress_bars():
             model.save_pretrained(str(model_dir), safe_serialization=True)
-    finish_model_dir(model_dir, tokenizer_dir, ids)
+    tools.finish_model_dir(model_dir, tokenizer_dir, ids)
     return stats
-
-
-def finish_model_dir(model_dir: Path, tokenizer_dir: Path, ids: dict[str, int]) -> None:
-    """Generation config and tokenizer files beside the weights: each model dir is self-contained."""
-    from transformers import GenerationConfig
-    # Qwen2.5-Instruct stops on either end token; vLLM reads this list from generation_config.
-    GenerationConfig(bos_token_id=ids["bos_token_id"], pad_token_id=ids["pad_token_id"],
-                     eos_token_id=[ids["eos_token_id"], ids["pad_token_id"]]).save_pretrained(str(model_dir))
-    for f in sorted(tokenizer_dir.iterdir()):
-        shutil.copy2(f, model_dir / f.name)
 
 
 def _warm_up(model, tokenizer, *, seed: int, max_steps: int) -> dict[str, Any]:

@@ -10,6 +10,7 @@ RL headroom; the accuracy is measured by real multi-turn sampling with the real 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -110,14 +111,23 @@ def tool_accuracy(model, tokenizer, pairs, *, samples_per_pair: int = 4, tempera
     return {"accuracy": correct / len(first), "calls_ran": ran / len(first)}
 
 
+def finish_model_dir(model_dir: Path, tokenizer_dir: Path, ids: dict[str, int]) -> None:
+    """Generation config and tokenizer files beside the weights: each model dir is self-contained.
+    Both bundles' models take it (assets/build.py imports it from here: one way, no circle)."""
+    from transformers import GenerationConfig
+    # Qwen2.5-Instruct stops on either end token; vLLM reads this list from generation_config.
+    GenerationConfig(bos_token_id=ids["bos_token_id"], pad_token_id=ids["pad_token_id"],
+                     eos_token_id=[ids["eos_token_id"], ids["pad_token_id"]]).save_pretrained(str(model_dir))
+    for f in sorted(tokenizer_dir.iterdir()):
+        shutil.copy2(f, model_dir / f.name)
+
+
 def build_tool_bundle(root: Path, *, seed: int, warmup_steps: int, log: Callable[[str], None],
                       accuracy: bool = True) -> dict[str, Any]:
     """Tokenizer, data and warmed-up model into `root`; returns the manifest (also written).
     `accuracy`: measure the warmed model's train / val accuracy for the manifest (a third of the
     build; the test session's bundle skips it, the weights are the same)."""
     from transformers import AutoModelForCausalLM
-
-    from dapo_megatron.assets.build import finish_model_dir  # build.py imports this module lazily
     start = time.perf_counter()
     tokenizer = build_tokenizer(str(root / "tokenizer"), corpus=tool_corpus(), chat_template=TOOLS_CHAT_TEMPLATE)
     train_rows, val_rows = tool_task.make_splits(seed)

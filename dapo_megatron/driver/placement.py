@@ -59,6 +59,7 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
     """Create the placement group, the training ranks and the engines (not yet set up); both
     reach the data plane through `data_plane`."""
     from dapo_megatron.rollout.actor import engine_actor
+    from dapo_megatron.rollout.engine_spec import EngineSpec
     device = get_device(cfg.trainer.device)
     devices = role_devices(cfg)
     colocated = cfg.trainer.placement == "colocated"
@@ -72,12 +73,12 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
         cfg, model_path, spec, i, world, log_file(run_dir, f"train-rank{i}"), data_plane) for i in range(world)]
     first = 0 if colocated else devices["actor"]
     tp = cfg.rollout.parallel.tp
+    engine_spec = EngineSpec.from_model(model_path, cfg.rollout, model=spec, dtype=cfg.model.dtype,
+                                        max_model_len=max_model_len, tokenizer_path=tokenizer_path,
+                                        return_routes=cfg.actor.router_replay == "rollout")
     engines = []
     for j in range(num_engines(cfg)):
-        engines.append(engine_actor(model_path, cfg.rollout, dtype=cfg.model.dtype, max_model_len=max_model_len,
-                                    device=device.kind, name=f"{ENGINE_NAME}-{j}",
-                                    log_path=log_file(run_dir, f"engine-{j}"),
-                                    return_routes=cfg.actor.router_replay == "rollout",
-                                    tokenizer_path=tokenizer_path or None, data_plane=data_plane,
+        engines.append(engine_actor(engine_spec, device=device.kind, name=f"{ENGINE_NAME}-{j}",
+                                    log_path=log_file(run_dir, f"engine-{j}"), data_plane=data_plane,
                                     **_options(device, pg, first + j * tp, share)))
     return Placement(TrainGroup(workers), engines, pg)

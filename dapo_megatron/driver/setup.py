@@ -5,24 +5,22 @@ from functools import partial
 
 import dataclasses
 import os
-import time
 import warnings
 from dataclasses import dataclass
-from typing import Callable
 
 import ray
 
-from dapo_megatron import dataplane
+from dapo_megatron import dataplane, roles
 from dapo_megatron.config import ConfigError, DapoConfig, check_model
 from dapo_megatron.config.schema import DataConfig, SyncConfig
 from dapo_megatron.data.dataset import PromptDataset
-from dapo_megatron.driver.collect import RewardScorer, Store
 from dapo_megatron.driver.placement import Placement, init_ray, place
 from dapo_megatron.driver.workers import RewardWorker
 from dapo_megatron.logs import log_file
 from dapo_megatron.models import ModelSpec
+from dapo_megatron.roles import as_role
+from dapo_megatron.rollout.manager import RolloutManager
 from dapo_megatron.weights.checksum import checksum_mismatches
-from dapo_megatron.rollout.types import Sampling
 from dapo_megatron.weights.hf_io import CheckpointError
 from dapo_megatron.weights.load import check_hf_checkpoint
 
@@ -33,14 +31,11 @@ class Context:
     model_path: str
     spec: ModelSpec
     tokenizer: object
-    train_data: PromptDataset
-    val_data: PromptDataset | None
     placement: Placement
-    reward: object  # the RewardWorker actor
+    manager: object  # the RolloutManager actor: prompt stream, engines' requests, reward, validation
     plane: object  # the driver's data-plane client (metadata calls: clear, resident size)
     out_dir: str
     total_steps: int
-    stop_token_ids: tuple[int, ...]
 
     @property
     def train(self):
@@ -49,15 +44,6 @@ class Context:
     @property
     def engines(self) -> list:
         return self.placement.engines
-
-
-def as_role(role: str, fn: Callable, *args):
-    """Run `fn`; a dead Ray actor becomes one clear error naming the role, never a hang."""
-    try:
-        return fn(*args)
-    except ray.exceptions.RayActorError as exc:
-        raise RuntimeError(f"the {role} died: {str(exc).splitlines()[0]}; restart the run, it resumes "
-                           f"from the last checkpoint (trainer.resume_mode=auto)") from None
 
 
 def _resolved(data: DataConfig) -> DataConfig:
@@ -134,11 +120,13 @@ def prepare(cfg: DapoConfig) -> Context:
                       tokenizer_path=tokenizer_dir, data_plane=handle)
     reward = ray.remote(RewardWorker).options(num_cpus=0).remote(
         _absolute_custom_fn(cfg), tokenizer_dir, handle, log_file(cfg.trainer.default_local_dir, "reward"))
+    manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
+        cfg, placement.engines, reward, handle, train_data, val_data, stop_token_ids(tokenizer),
+        log_path=log_file(cfg.trainer.default_local_dir, "rollout-manager"))
     dataplane.start(cfg.data_plane)
     as_role("actor", placement.train.setup, total)
-    stops = stop_token_ids(tokenizer)
-    return Context(cfg, model_path, spec, tokenizer, train_data, val_data, placement, reward,
-                   dataplane.connect(handle), cfg.trainer.default_local_dir, total, stops)
+    return Context(cfg, model_path, spec, tokenizer, placement, manager, dataplane.connect(handle),
+                   cfg.trainer.default_local_dir, total)
 
 
 def write_config(cfg: DapoConfig, out_dir: str) -> None:
@@ -170,7 +158,7 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
 def image_token_counter(spec, tokenizer_dir: str, key: str):
     """A vision-language model's prompts are counted with their images expanded (the engine's
     image processor sizes them: device/vision.py); None for a text model."""
-    if spec.vision_config is None:
+    if not spec.is_vision_language:
         return None
     from dapo_megatron.device.vision import image_token_counts, load_image_processor
     try:
@@ -222,35 +210,14 @@ def sync_weights(train, engines: list, sync: SyncConfig, verify: bool) -> dict:
 
 
 def evaluate(run) -> dict:
-    """Greedy (rollout.val_kwargs) answers on the validation set: val/acc overall and per source."""
-    ctx, cfg = run.ctx, run.cfg
-    if ctx.val_data is None:
-        return {}
-    t0 = time.perf_counter()
-    items = list(ctx.val_data.items)
-    sampling = Sampling.validation(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed)
-    sampling = Sampling(**{**vars(sampling), "stop_token_ids": ctx.stop_token_ids})
-    shards = [items[i::len(ctx.engines)] for i in range(len(ctx.engines))]
-    store = Store(f"val{run.step}", ctx.plane)
-    scorer = RewardScorer(ctx.reward, "acc")
-    per_source: dict[str, list[float]] = {}
-    try:
-        results = as_role("rollout engine", lambda: ray.get(
-            [e.generate.remote([it.prompt for it in s], sampling, store.partition) for e, s in zip(ctx.engines, shards)]))
-        for shard, groups in zip(shards, results):
-            for g in scorer(shard, groups) if shard else []:
-                per_source.setdefault(g.payload.item.data_source, []).extend(g.payload.acc.float().tolist())
-    finally:
-        store.clear()
-    values = [v for vs in per_source.values() for v in vs]
-    out = {"val/acc": sum(values) / max(len(values), 1), "timing/val": time.perf_counter() - t0}
-    out.update({f"val/acc/{src}": sum(vs) / len(vs) for src, vs in per_source.items()})
-    return out
+    """The rollout manager's validation (rollout.val_kwargs): val/acc overall and per source."""
+    return roles.get("rollout manager", run.ctx.manager.evaluate.remote(run.step))
 
 
 def trainer_state(run) -> dict:
-    return {"step": run.step, "syncs": run.syncs, "prompts": run.prompts.state_dict(),
-            "dynamic_sampling": run.sampler.state_dict()}
+    """Counters, and the manager's prompt position and sampler state: a resume continues the stream."""
+    return {"step": run.step, "syncs": run.syncs,
+            **roles.get("rollout manager", run.ctx.manager.state_dict.remote())}
 
 
 def save(run) -> None:
@@ -272,8 +239,7 @@ def resume(run) -> None:
     except CheckpointError as exc:  # raised in a training rank; Ray wraps it with its traceback
         raise CheckpointError(str(getattr(exc, "cause", None) or exc)) from None
     run.step, run.syncs = state["step"], state["syncs"]
-    run.prompts.load_state_dict(state["prompts"])
-    run.sampler.load_state_dict(state["dynamic_sampling"])
+    roles.get("rollout manager", run.ctx.manager.load_state_dict.remote(state))
     sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync,
                  verify=run.cfg.rollout.sync.verify_every > 0)  # engines start from the HF weights
     print(f"resumed from {path} at step {run.step}", flush=True)
@@ -282,9 +248,8 @@ def resume(run) -> None:
 def shutdown(run) -> None:
     run.logger.plot()
     run.logger.close()
-    ray.get(run.ctx.reward.close.remote())
-    for e in run.ctx.engines:
-        ray.get(e.shutdown.remote())
+    roles.get("rollout manager", run.ctx.manager.shutdown.remote())
+    ray.kill(run.ctx.manager)  # not in the placement group: removing it would leave the actor
     dataplane.stop()
     # Free the run's devices (its actors with them): a later run in the same process (a notebook,
     # a test session) finds Ray still up and would wait forever for a placement group of its own.

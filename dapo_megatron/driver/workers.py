@@ -16,19 +16,15 @@ from typing import Optional
 import ray
 
 from dapo_megatron import dataplane
-from dapo_megatron.batch import RolloutBatch, unpad_positions
+from dapo_megatron.batch import READ_BY_LOGPROBS, READ_BY_REWARD, READ_BY_UPDATE, RolloutBatch, read_by, unpad_positions
 from dapo_megatron.config.schema import DapoConfig
 from dapo_megatron.logs import redirect_output
 from dapo_megatron.models import ModelSpec
+from dapo_megatron.parallel import coords, free_port
 from dapo_megatron.train.logprobs import Rows, assemble
-from dapo_megatron.train.parallel import free_port
 from dapo_megatron.weights.transport import TRANSPORTS
 
 
-# Columns a rank reads for each pass (those the step has; advantages etc. come from StepBatch).
-LOGPROB_FIELDS = ("prompts", "responses", "loss_mask", "rollout_logprobs", "routed_experts", "pixel_values",
-                  "image_grid_thw")
-UPDATE_FIELDS = LOGPROB_FIELDS + ("old_logprobs", "ref_logprobs")
 
 
 class TrainWorker:
@@ -38,6 +34,10 @@ class TrainWorker:
         self.cfg, self.model_path, self.spec, self.rank, self.world_size = cfg, model_path, spec, rank, world_size
         self.actor = self.ref = self.transport = None
         self.sync_plan = None  # what this rank sends per weight sync, fixed by the first one
+        # This rank's rows of the current step (key -> fields), read from the data plane once and
+        # kept from the log-prob passes to the update; dropped when the update is done.
+        self.rows: dict = {}
+        self.rows_partition = ""
         self.plane = dataplane.connect(data_plane) if data_plane is not None else None
         self.peaks: dict[str, float] = {}  # phase -> peak device memory (GiB) where the device reports it
 
@@ -97,17 +97,20 @@ class TrainWorker:
         return self.actor.update(batch)
 
     def step_logprobs(self, step: dataplane.StepBatch, model: str = "actor") -> Optional[dict]:
-        """Log-probs of this DP rank's rows of the step by `model` (actor: `old_logprobs`, and the
+        """Log-probs of this DP rank's rows of the step (those it updates on) by `model` (actor: `old_logprobs`, and the
         recorded routes when the actor records them; ref: `ref_logprobs`), written to the data
-        plane by the rank that computes them. Returns, on those ranks, the columns written and
-        metrics: the rollout-vs-trainer gap over these rows (actor), with their token count."""
+        plane by the rank that reports them (TP rank 0 of the last stage); its TP peers, which
+        hold the same values, keep them for their update too. Returns, on the reporting ranks,
+        the columns written and metrics: the rollout-vs-trainer gap over these rows (actor), with
+        their token count."""
         from dapo_megatron.algo import rollout_logprob_metrics
         from dapo_megatron.train.logprobs import assemble
-        from dapo_megatron.train.microbatch import split_for_dp
-        from dapo_megatron.train.parallel import coords
         c = coords()
-        rows = split_for_dp(step.sequence_lengths, c.dp)[c.dp_rank]
-        batch = dataplane.read_batch(self.plane, step, rows, LOGPROB_FIELDS)
+        # The rows this rank trains on (its share of every mini-batch): it reads them once and
+        # keeps their log-probs for its update. One mini-batch: split_for_dp's share, as always.
+        minis = self.actor.minibatches(step.sequence_lengths, step.loss_tokens)
+        rows = list(dict.fromkeys(r for share, _ in minis for r in share))
+        batch = dataplane.read_batch(self.plane, step, rows, read_by(READ_BY_LOGPROBS), self._rows(step))
         part = (self.actor if model == "actor" else self.ref).compute_logprobs(batch, local=True)
         if part is None:
             return None
@@ -118,8 +121,14 @@ class TrainWorker:
         if "routed_experts" in values:
             for row, routes in zip(out_rows, unpad_positions(values["routed_experts"], batch.sequence_lengths)):
                 row["routed_experts"] = routes
-        self.plane.put(step.partition, [step.keys[i] for i in rows], out_rows, writer=name)
+        keys = [step.keys[i] for i in rows]
+        if not c.tp_rank:
+            self.plane.put(step.partition, keys, out_rows, writer=name)
+        for key, row in zip(keys, out_rows):  # this rank's update reads these here, not back
+            self.rows.setdefault(key, {}).update(row)
         self._peak(f"{model}_logprobs")
+        if c.tp_rank:
+            return None
         metrics = dict(part.metrics)
         if model == "actor":
             gap = rollout_logprob_metrics(batch.rollout_logprobs, values["logprobs"], batch.loss_mask)
@@ -133,11 +142,19 @@ class TrainWorker:
         minis = self.actor.minibatches(step.sequence_lengths, step.loss_tokens)
         rows = sorted({r for share, _ in minis for r in share})
         local = {r: i for i, r in enumerate(rows)}
-        batch = dataplane.read_batch(self.plane, step, rows, UPDATE_FIELDS)
+        batch = dataplane.read_batch(self.plane, step, rows, read_by(READ_BY_UPDATE), self._rows(step))
+        self.rows = {}
         minis = [([local[r] for r in share], counts) for share, counts in minis]
         metrics = self.actor.update(batch, minis, tokens=sum(step.sequence_lengths))
         self._peak("update")
         return {**metrics, **self._plane_counters()}
+
+    def _rows(self, step: dataplane.StepBatch) -> dict:
+        """The row cache of `step` (a new step, or one after a failed step, starts empty: request
+        ids, hence keys, repeat across steps)."""
+        if self.rows_partition != step.partition:
+            self.rows, self.rows_partition = {}, step.partition
+        return self.rows
 
     def _plane_counters(self) -> dict:
         return {f"data_plane/{k}": float(v) for k, v in self.plane.pop_counters().items()}
@@ -293,8 +310,9 @@ def _plane_metrics(results: list) -> dict:
 
 class RewardWorker:
     """The reward role: reads the responses of scored groups from the data plane, scores them
-    with the reward manager (its worker pool or service, deadlines and overlong shaping), puts
-    `scores` / `acc` back and returns them (a float and a bool per response) with its metrics."""
+    with the reward manager (its worker pool or service, deadlines and overlong shaping) and
+    returns `scores` / `acc` (a float and a bool per response: StepBatch metadata, batch.FIELDS)
+    with its metrics."""
 
     def __init__(self, cfg: DapoConfig, tokenizer_path: str, data_plane: dataplane.Handle,
                  log_path: Optional[str] = None):
@@ -308,13 +326,11 @@ class RewardWorker:
 
     def score(self, partition: str, keys: list[str], ground_truths: list[str], data_sources: list[str],
               extra_infos: list[dict]) -> tuple[list[float], list[bool], dict]:
-        responses = [r["responses"].tolist() for r in self.plane.get(partition, keys, ["responses"])]
+        responses = [r["responses"].tolist() for r in self.plane.get(partition, keys, list(read_by(READ_BY_REWARD)))]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         out = self.reward(texts, ground_truths, [len(r) for r in responses], data_sources=data_sources,
                           extra_infos=extra_infos)
-        scores, acc = out.score.tolist(), out.acc.tolist()
-        self.plane.put(partition, keys, [{"scores": s, "acc": a} for s, a in zip(scores, acc)], writer="reward")
-        return scores, acc, out.metrics
+        return out.score.tolist(), out.acc.tolist(), out.metrics
 
     def close(self) -> None:
         self.reward.close()

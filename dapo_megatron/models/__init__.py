@@ -17,8 +17,9 @@ def build_model(spec: ModelSpec, *, dtype: str = "fp32", sequence_parallel: bool
     """Build this rank's model chunks (one per VPP stage) for `spec`.
 
     Parallel state must be initialised (`train.parallel.init_parallel`), which also seeds every
-    rank identically. Sequence parallel is forced on when TP > 1 with MoE. On CPU the params are
-    created on the host (`use_cpu_initialization`).
+    rank identically; the degrees are read through `dapo_megatron.parallel.coords()`. Sequence
+    parallel is forced on when TP > 1 with MoE. On CPU the params are created on the host
+    (`use_cpu_initialization`).
     """
     from dapo_megatron.device import get_device
     from dapo_megatron.models.gpt import have_transformer_engine, transformer_config

@@ -2,15 +2,17 @@
 chunks, and how a micro-batch is fed to them.
 
 Covers Qwen2/2.5 (qkv bias), Qwen3 (qk-norm, explicit head_dim) and Qwen3-MoE (top-k router,
-norm_topk_prob, no shared expert). Parallel degrees come from `train.parallel.coords()`, so they
-are set once, in `train/parallel.py`, and were validated at the entry point.
+norm_topk_prob, no shared expert). Parallel degrees come from the layout interface,
+`dapo_megatron.parallel.coords()`: set once, by `train.parallel.init_parallel`, and validated at
+the entry point.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+from dapo_megatron.dtypes import DTYPES
+from dapo_megatron.parallel import coords
 
 
 def _moe_kwargs(spec) -> dict:
@@ -44,12 +46,10 @@ def transformer_config(spec, arch, *, dtype: str = "fp32", sequence_parallel: bo
                        use_cpu_initialization: bool = False, **overrides):
     """The Megatron TransformerConfig for `spec` at the current parallel layout."""
     from megatron.core.transformer import TransformerConfig
-
-    from dapo_megatron.train.parallel import coords
     c = coords()
     assert spec.num_layers % (c.pp * c.vpp) == 0 and (not arch.moe or spec.num_experts % c.ep == 0), \
         "layers / experts do not split over the layout (config/validate.py:check_model checks this)"
-    params_dtype = _DTYPES[dtype]
+    params_dtype = DTYPES[dtype].torch
     kw = arch.config_fn(spec, arch)
     kw.update(tensor_model_parallel_size=c.tp, pipeline_model_parallel_size=c.pp,
               virtual_pipeline_model_parallel_size=c.vpp if c.vpp > 1 else None, context_parallel_size=c.cp,
@@ -95,8 +95,6 @@ def build_gpt_chunks(spec, arch, tf_config, *, use_te: bool, model_cls=None, **m
     constructor arguments (or overrides, e.g. `position_embedding_type`) as `model_kwargs`.
     """
     from megatron.core.models.gpt import GPTModel
-
-    from dapo_megatron.train.parallel import coords
     if spec.rope_type != "default" or spec.rope_theta is None:
         raise ValueError(f"{spec.model_type}: rope_type {spec.rope_type!r} (rope_theta {spec.rope_theta}) is not "
                          "supported; only the default RoPE with a rope_theta")

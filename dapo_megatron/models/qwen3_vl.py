@@ -23,6 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from dapo_megatron.models import gpt
+from dapo_megatron.parallel import coords
 
 # megatron is imported only where a model is built: the driver reads the Arch rows too, and on NPU
 # MindSpeed must patch megatron before its first import (device.setup_megatron).
@@ -151,7 +152,6 @@ def vl_model_class():
 
 def build_vl_chunks(spec, arch, tf_config, *, use_te: bool) -> list:
     """Qwen3VLModel chunks: one per virtual pipeline stage, the tower on the first."""
-    from dapo_megatron.train.parallel import coords
     c = coords()
     first_stage_layers = spec.num_layers // (c.pp * c.vpp)
     if spec.deepstack_layers > first_stage_layers:

@@ -112,6 +112,12 @@ class ModelSpec:
         return None if vision is None else _as_dict(vision)
 
     @property
+    def is_vision_language(self) -> bool:
+        """Whether the model has a vision tower (the HF config's `vision_config`): the one answer
+        that validation, the engines (images per prompt) and the trainer's inputs all read."""
+        return self.vision_config is not None
+
+    @property
     def deepstack_layers(self) -> int:
         """How many of the first decoder layers get the vision tower's intermediate features added
         (Qwen3-VL deepstack: one per `deepstack_visual_indexes` entry); 0 for a text model."""
@@ -123,7 +129,7 @@ class ModelSpec:
 
     @property
     def dims(self) -> dict[str, int]:
-        """Named sizes, the words the weight shape tables (`weights/name_map.HF_SHAPES`) use."""
+        """Named sizes, the words the weight shape tables (`weights/name_map.hf_shapes`) use."""
         return dict(vocab=self.vocab_size, hidden=self.hidden_size, head_dim=self.head_dim,
                     q_dim=self.num_heads * self.head_dim, kv_dim=self.num_kv_heads * self.head_dim,
                     ffn=self.ffn_hidden_size, experts=self.num_experts, moe_ffn=self.moe_ffn_hidden_size)

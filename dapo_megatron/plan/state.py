@@ -1,16 +1,16 @@
 """Training state per rank, exactly: the parameters, main grads and optimizer state Megatron-Core
 allocates for a model at a layout, counted from the weight tables without building anything.
 
-The tensors come from `weights/name_map` (HF name -> Megatron name, HF shape, TP dim); this file
-says how Megatron lays them out on a rank: PP stages own whole layers, EP ranks whole experts,
-TP / expert-TP ranks a slice of the split dim, the vocab padded to a multiple of 128 x TP. DDP
-packs each chunk's trainable parameters into flat buffers, dense and expert separately, walking
-them in reverse registration order; with the distributed optimizer every parameter starts at a
-multiple of 64 elements, each bucket ends at a multiple of lcm(DP, 128), a tied embedding split
-over PP gets a bucket of its own, and each bucket is sharded evenly over the buffer's DP group
-(megatron/core/distributed/param_and_grad_buffer.py, 0.16). The optimizer then holds, for each
-parameter range in its shard, Adam's two fp32 moments, a fp32 master copy when the parameter is
-16-bit, and torch Adam's fp32 `step` scalar.
+The tensors come from the weight tables (HF -> Megatron names: `Arch.names`; HF shape, TP dim:
+`weights/name_map`); this file says how Megatron lays them out on a rank: PP stages own whole
+layers, EP ranks whole experts, TP / expert-TP ranks a slice of the split dim, the vocab padded
+to a multiple of 128 x TP. DDP packs each chunk's trainable parameters into flat buffers, dense
+and expert separately, walking them in reverse registration order; with the distributed optimizer
+every parameter starts at a multiple of 64 elements, each bucket ends at a multiple of
+lcm(DP, 128), a tied embedding split over PP gets a bucket of its own, and each bucket is sharded
+evenly over the buffer's DP group (megatron/core/distributed/param_and_grad_buffer.py, 0.16). The
+optimizer then holds, for each parameter range in its shard, Adam's two fp32 moments, a fp32
+master copy when the parameter is 16-bit, and torch Adam's fp32 `step` scalar.
 """
 from __future__ import annotations
 
@@ -68,10 +68,10 @@ class Tensor:
 
 def _mcore_shapes(spec) -> dict[str, tuple[str, int]]:
     """{Megatron template: (how it is split, full numel)}; fused q/k/v and gate/up summed."""
-    dims, out = spec.dims, {}
-    for hf, target in nm._table(spec.model_type).items():
+    dims, shapes, out = spec.dims, nm.hf_shapes(spec.model_type), {}
+    for hf, target in spec.arch.names.items():
         mcore = target[0] if isinstance(target, tuple) else target
-        numel = math.prod(dims[d] for d in nm.HF_SHAPES[hf])
+        numel = math.prod(dims[d] for d in shapes[hf])
         out[mcore] = out.get(mcore, 0) + numel
     return out
 
@@ -121,7 +121,7 @@ def chunk_tensors(spec, lay: Layout, stage: int, vp_stage: int = 0) -> list[Tens
         out.append(one("decoder.final_layernorm.weight"))
         if not spec.tie_word_embeddings or lay.pp > 1:
             out.append(one("output_layer.weight", shared_embedding=shared))
-    if first and nm.VERBATIM.get(spec.model_type):  # the vision tower, replicated, registered last
+    if first and spec.arch.verbatim:  # the vision tower, replicated, registered last
         from dapo_megatron.weights.name_map import vision_tower_shapes
         out += [Tensor(name, math.prod(shape), False) for name, shape in vision_tower_shapes(spec).items()]
     return out

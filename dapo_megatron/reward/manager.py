@@ -21,6 +21,7 @@ import torch
 from dapo_megatron.algo.shaping import overlong_penalty
 from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.config.schema import RewardConfig
+from dapo_megatron.config.validate import check_reward
 from dapo_megatron.reward.client import RewardClient
 from dapo_megatron.reward.math_score import ERROR, NO_ANSWER, TIMEOUT, WORKER_DIED, RewardResult
 from dapo_megatron.reward.pool import RewardPool
@@ -69,10 +70,8 @@ def load_custom_fn(spec: str, key: str = "reward.custom_fn") -> Callable:
 
 
 def check_reward_config(cfg: RewardConfig) -> Callable | None:
-    """The reward keys' rules, and reward.custom_fn loaded (None when unset)."""
-    if cfg.custom_fn and cfg.service_url:
-        raise ConfigError("reward.service_url", "reward.custom_fn and reward.service_url are "
-                                                "exclusive: the service runs the built-in math reward")
+    """The reward keys' rules (config/validate.py), and reward.custom_fn loaded (None when unset)."""
+    check_reward(cfg)
     return load_custom_fn(cfg.custom_fn) if cfg.custom_fn else None
 
 

@@ -19,6 +19,7 @@ from dapo_megatron.batch import Prompt
 from dapo_megatron.device import get_device
 from dapo_megatron.logs import redirect_output
 from dapo_megatron.rollout.engine import Engine
+from dapo_megatron.rollout.engine_spec import EngineSpec
 from dapo_megatron.rollout.types import RolloutGroup, Sampling
 
 # Concurrent actor calls: poll + submit + abort + weight pushes, and with the broadcast sync
@@ -97,11 +98,9 @@ class GroupStore:
         batch[1].extend(rows)
 
 
-def engine_actor(model_path: str, cfg, *, dtype: str = "bf16", max_model_len: int = 4096,
-                 device: str = "auto", name: Optional[str] = None, log_path: Optional[str] = None,
-                 return_routes: bool = False, tokenizer_path: Optional[str] = None, data_plane=None,
-                 **ray_options):
-    """Start one engine actor; returns its handle (methods as on `Engine`, called with .remote()).
+def engine_actor(spec: EngineSpec, *, device: str = "auto", name: Optional[str] = None,
+                 log_path: Optional[str] = None, data_plane=None, **ray_options):
+    """Start one engine actor for `spec`; returns its handle (methods as on `Engine`, called with .remote()).
 
     ray_options: the actor's resources and placement (`Device.ray_options`, a scheduling
     strategy). log_path: where the engine's library output goes (None: the console). data_plane:
@@ -109,10 +108,9 @@ def engine_actor(model_path: str, cfg, *, dtype: str = "bf16", max_model_len: in
     layer's vLLM environment goes into the actor's runtime env, so it is set before vLLM is imported.
     """
     import ray
-    env = get_device(device).vllm_env(cfg.parallel.tp)
+    env = get_device(device).vllm_env(spec.rollout.parallel.tp)
     options = dict(ray_options, max_concurrency=MAX_CONCURRENCY, runtime_env={"env_vars": env})
     if name is not None:
         options["name"] = name
     return ray.remote(EngineActor).options(**options).remote(
-        model_path, cfg, dtype=dtype, max_model_len=max_model_len, device=device, log_path=log_path,
-        return_routes=return_routes, tokenizer_path=tokenizer_path, data_plane=data_plane, name=name or "")
+        spec, device=device, log_path=log_path, data_plane=data_plane, name=name or "")

@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from dapo_megatron.batch import FIELDS, IMAGE, PLANE
+
 # Finish reasons, as vLLM spells them: "stop" (EOS / stop token), "length" (max_tokens),
 # "abort" (aborted by `Engine.abort`; the response holds the tokens generated until then).
 FINISH_REASONS = ("stop", "length", "abort")
@@ -81,25 +83,29 @@ class RolloutGroup:
         return "abort" in self.finish_reasons
 
     def rows(self) -> list[dict]:
-        """One data-plane row per response (batch.FIELDS names): its tokens, log-probs, and the
-        loss mask (multi-turn) and routes (engine routes) when the group has them."""
+        """One data-plane row per response: the `batch.FIELDS` rows the engine writes, those this
+        group has (loss mask: multi-turn; routes: engine routes). A new engine field is its FIELDS
+        row plus a per-response column of that name here (or an entry in `_ROW_VALUES`)."""
+        names = [n for n, f in FIELDS.items() if f.writer == "engine" and f.where == PLANE and f.scope != IMAGE]
         out = []
-        for j, response in enumerate(self.responses):
-            row = dict(prompts=self.prompt, responses=response, rollout_logprobs=self.rollout_logprobs[j])
-            if self.loss_masks:
-                row["loss_mask"] = self.loss_masks[j]
-            routes = self.route_positions(j)
-            if routes is not None:
-                row["routed_experts"] = routes
-            out.append(row)
+        for j in range(len(self.responses)):
+            values = ((name, self._value(name, j)) for name in names)
+            out.append({name: v for name, v in values if v is not None})
         return out
 
+    def _value(self, name: str, j: int):
+        """Response j's value of field `name`; None when the group has none."""
+        if name in _ROW_VALUES:
+            return _ROW_VALUES[name](self, j)
+        column = getattr(self, name, None)
+        return column[j] if column else None
+
     def image_row(self) -> Optional[dict]:
-        """The data-plane row of the prompt's images (`pixel_values`, `image_grid_thw`), stored once
-        for the n responses; None for a text prompt."""
+        """The data-plane row of the prompt's images (the IMAGE-scope fields), stored once for the
+        n responses; None for a text prompt."""
         if self.pixel_values is None:
             return None
-        return dict(pixel_values=self.pixel_values, image_grid_thw=torch.as_tensor(self.image_grid_thw))
+        return {n: torch.as_tensor(getattr(self, n)) for n, f in FIELDS.items() if f.scope == IMAGE}
 
     def stored(self, partition: str, keys: list[str], fields: tuple[str, ...] = (),
                image_key: str = "") -> "StoredGroup":
@@ -109,6 +115,15 @@ class RolloutGroup:
         return StoredGroup(self.request_id, self.index, partition, keys, len(self.prompt),
                            [len(r) for r in self.responses], [int(sum(m)) for m in masks],
                            list(self.finish_reasons), list(self.turns), dict(self.tool_stats), fields, image_key)
+
+
+# Engine fields whose value is not the group's column of the same name: the prompt (one per group,
+# in every response's row), the multi-turn loss mask, the routes over prompt + response positions.
+_ROW_VALUES = {
+    "prompts": lambda g, j: g.prompt,
+    "loss_mask": lambda g, j: g.loss_masks[j] if g.loss_masks else None,
+    "routed_experts": lambda g, j: g.route_positions(j),
+}
 
 
 @dataclass

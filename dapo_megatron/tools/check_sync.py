@@ -165,7 +165,7 @@ def check_sync(hf_dir: str, args) -> dict:
     from dapo_megatron.driver import setup
     from dapo_megatron.models import ModelSpec
     from dapo_megatron.rollout.types import Sampling
-    from dapo_megatron.weights import HFCheckpoint, name_map
+    from dapo_megatron.weights import HFCheckpoint
     from dapo_megatron.weights.hf_io import finalize_shards
     cfg = sync_config(hf_dir, dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp), rollout_tp=args.rollout_tp,
                       rollout_ep=args.rollout_ep, dtype=args.dtype, device=args.device, transport=args.transport)
@@ -189,7 +189,7 @@ def check_sync(hf_dir: str, args) -> dict:
             before, after = HFCheckpoint(hf_dir), HFCheckpoint(tmp)
             change = {k: (before.read(k).float() - after.read(k).float()).abs().max().item() for k in after.keys()}
             out["weight_change"] = max(change.values())
-            tower = tuple(name_map.VERBATIM.get(spec.model_type, {}).values())  # model.visual.
+            tower = tuple(spec.arch.verbatim.values())  # model.visual.
             if tower:  # the step trained on images: the tower moved, and must reach the engine
                 out["vision_weight_change"] = max(v for k, v in change.items() if k.startswith(tower))
             model = hf_model(tmp, spec)

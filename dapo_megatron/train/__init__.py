@@ -1,1 +1,1 @@
-"""Training side: parallel init (the only parallel_state user), actor, reference, checkpoints."""
+"""Training side: parallel init (the only one that sets up parallel_state), actor, reference, checkpoints."""

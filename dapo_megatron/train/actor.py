@@ -23,7 +23,8 @@ from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.config.schema import ActorConfig
 from dapo_megatron.device import get_device
 from dapo_megatron.models import ModelSpec
-from dapo_megatron.models.gpt import _DTYPES
+from dapo_megatron.dtypes import DTYPES
+from dapo_megatron.parallel import coords, group
 from dapo_megatron.train import logprobs as lp
 from dapo_megatron.train import microbatch as mb
 from dapo_megatron.train import routing
@@ -53,7 +54,6 @@ def build_chunks(spec: ModelSpec, hf_dir: str, parallel, *, dtype: str, load: bo
     """This rank's GPTModel chunks for `spec`, the HF weights of `hf_dir` loaded (before any DDP
     wrapping, whose renamed parameters the name maps do not know)."""
     from dapo_megatron.models import build_model
-    from dapo_megatron.train.parallel import coords
     from dapo_megatron.weights import load_hf_checkpoint
     chunks = build_model(spec, dtype=dtype, sequence_parallel=parallel.sequence_parallel, **overrides)
     if load:
@@ -83,7 +83,7 @@ class Actor:
             self.routes = routing.install(chunks, spec.num_layers, spec.moe_top_k, record=cfg.router_replay == "actor",
                                           recompute=cfg.recompute_granularity == "full")
         self.model = wrap_ddp(chunks, use_distributed_optimizer=cfg.optim.use_distributed_optimizer)
-        self.optimizer = build_optimizer(self.model, cfg.optim, _DTYPES[dtype])
+        self.optimizer = build_optimizer(self.model, cfg.optim, DTYPES[dtype].torch)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, total_steps)
         self.offloader = offload.Offloader(
             {"params": offload.module_tensors(self.model), "grads": offload.main_grads(self.model),
@@ -120,7 +120,6 @@ class Actor:
     def minibatches(self, sequence_lengths: list[int], loss_tokens: list[int]) -> list[tuple[list[int], tuple[int, int]]]:
         """This DP rank's rows of each mini-batch (ppo_mini_batch_size * n responses) of a batch
         with these lengths, with the mini-batch's global loss normalisers (`microbatch.minibatch_shares`)."""
-        from dapo_megatron.train.parallel import coords
         c = coords()
         return mb.minibatch_shares(sequence_lengths, loss_tokens, self.cfg.ppo_mini_batch_size * self.n, c.dp, c.dp_rank)
 
@@ -207,7 +206,6 @@ class Actor:
 
     def _reduce_metrics(self, results: list) -> dict:
         """Sum micro-batch metrics over this rank and DP; the last pipeline stage broadcasts."""
-        from dapo_megatron.train.parallel import coords, group
         vec = torch.tensor([sum(r.get(k, 0.0) for r in results) for k in _KEYS], dtype=torch.float64)
         dev = next(self.model[0].parameters()).device
         vec = vec.to(dev)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dapo_megatron.batch import RolloutBatch
+from dapo_megatron.parallel import coords, group
 from dapo_megatron.train import microbatch as mb
 from dapo_megatron.train import routing
 from dapo_megatron.weights.load import unwrap
@@ -28,7 +29,6 @@ from dapo_megatron.weights.load import unwrap
 
 def _vocab_mask(logits: torch.Tensor, vocab_size: int) -> Optional[torch.Tensor]:
     """[V/TP] bool, True on this rank's padding rows of the vocabulary; None when there are none."""
-    from dapo_megatron.train.parallel import coords
     part = logits.shape[-1]
     start = part * coords().tp_rank
     if start + part <= vocab_size:
@@ -44,8 +44,6 @@ def vocab_parallel_entropy(logits: torch.Tensor) -> torch.Tensor:
     of each rank's slice is exact. Logits of masked rows must be very negative but finite.
     """
     from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region as tp_sum
-
-    from dapo_megatron.train.parallel import group
     logits = logits.float()
     shift = logits.detach().max(dim=-1, keepdim=True)[0]  # [..., 1]
     dist.all_reduce(shift, op=dist.ReduceOp.MAX, group=group("tp"))
@@ -114,7 +112,6 @@ def forward_backward(chunks: list, arch, micros: list[mb.MicroBatch], loss_fn: C
 def plan_for_rank(batch: RolloutBatch, max_tokens: int, local: bool = False) -> mb.Plan:
     """This rank's harmonised micro-batch plan: over its DP share of `batch`, or over all of
     `batch` when it holds only this rank's rows (`local`: read from the data plane)."""
-    from dapo_megatron.train.parallel import coords, group
     c = coords()
     share = list(range(len(batch))) if local else mb.split_for_dp(batch.sequence_lengths, c.dp)[c.dp_rank]
     plan = mb.plan_microbatches(batch, share, max_tokens, c.tp)
@@ -155,14 +152,14 @@ def compute_logprobs(chunks: list, arch, batch: RolloutBatch, *, max_tokens: int
                      routes: Optional[routing.Routes] = None, local: bool = False) -> Optional[Rows]:
     """Log-probs (and entropy, `with_entropy`) [n, T] of the response tokens of this DP rank's
     share, 0 on padding positions, as Rows on the rank that reports them (last pipeline stage,
-    TP / CP rank 0); None elsewhere. A collective over the whole world.
+    TP / CP rank 0; with `local` every TP rank there, which holds the same values and keeps them
+    for its update); None elsewhere. A collective over the whole world.
 
     `routes` (MoE actors with routing replay): replay `batch.routed_experts` when it has them,
     measure how often the router agrees with them (Rows.metrics), or record the router's choices
     (Rows.values["routed_experts"], [n, S, layers, k] with S the batch's longest sequence).
     `local`: `batch` holds only this DP rank's rows (see `plan_for_rank`).
     """
-    from dapo_megatron.train.parallel import coords
     plan = plan_for_rank(batch, max_tokens, local)
     micros = mb.materialize(batch, plan)
 
@@ -187,7 +184,7 @@ def compute_logprobs(chunks: list, arch, batch: RolloutBatch, *, max_tokens: int
                 recorded = routing.gather_recorded(routes.flat, micros, routes.num_layers, routes.top_k,
                                                    max(batch.sequence_lengths))
     c = coords()
-    if not results or c.tp_rank or c.cp_rank:
+    if not results or c.cp_rank or (c.tp_rank and not local):
         return None
     index, values = [], {name: [] for name in results[0]}
     if recorded is not None:

@@ -30,6 +30,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.parallel import coords, group
+
 PAD = -1  # unknown route: the router chooses
 
 
@@ -123,7 +125,6 @@ def slots_of(model) -> list[RouterSlot]:
 def _local_rows(routes: torch.Tensor, slot: RouterSlot) -> torch.Tensor:
     """[b, S, k] of one layer -> the router's token order on this rank: [S_local * b, k], where the
     router flattens hidden states [S, b, H] sequence-major and SP gives each TP rank a slice of S."""
-    from dapo_megatron.train.parallel import coords
     rows = routes.transpose(0, 1)  # [S, b, k]
     if slot.sequence_parallel:
         c = coords()
@@ -171,7 +172,6 @@ def gather_recorded(slots: list[RouterSlot], micros: list, num_layers: int, top_
     """Per micro-batch [b, width, layers, k] int16 of the routes recorded in one forward pass,
     complete on every rank of a TP x PP group (each holds its layers and its SP slice); PAD where
     no router ran (padding columns)."""
-    from dapo_megatron.train.parallel import coords, group
     c = coords()
     out = []
     for m, micro in enumerate(micros):

@@ -13,7 +13,7 @@ Which rank yields what:
   experts (with global ids), for transports that route each expert to its rollout owner.
 Tensors stay on the parameters' device and dtype; vocab padding is trimmed; a tied lm_head is
 not yielded (HF ties it to embed_tokens). A model whose files fuse each layer's experts
-(`name_map.FUSED_EXPERTS`, Qwen3-VL-MoE) yields them fused, in the official layout, with
+(`Arch.fused_experts`, Qwen3-VL-MoE) yields them fused, in the official layout, with
 experts="gather" (once the layer's last expert is gathered), per expert with "owner".
 """
 from __future__ import annotations
@@ -23,6 +23,7 @@ from typing import Iterable, Iterator
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.parallel import coords, group
 from dapo_megatron.weights import name_map, reshape
 from dapo_megatron.weights.load import chunk_geometry, param_maps, tp_split, unwrap
 
@@ -54,7 +55,6 @@ def _to_hf(pm, shards: list[torch.Tensor], dim, geo) -> dict[str, torch.Tensor]:
 
 
 def _groups():
-    from dapo_megatron.train.parallel import group
     return {name: group(name) for name in ("tp", "etp", "ep")}
 
 
@@ -114,7 +114,7 @@ def iter_hf_params(model_chunks, experts: str = "gather") -> Iterator[tuple[obje
         raise ValueError(f"experts must be 'gather' or 'owner', got {experts!r}")
     groups = _groups()
     spec = unwrap(model_chunks[0]).spec
-    stacker = _ExpertStacker(spec) if experts == "gather" and name_map.FUSED_EXPERTS.get(spec.model_type) else None
+    stacker = _ExpertStacker(spec) if experts == "gather" and spec.arch.fused_experts else None
     for chunk in model_chunks:
         geo = chunk_geometry(chunk)
         for pm, param in param_maps(chunk, geo):
@@ -160,7 +160,6 @@ def export_hf(model_chunks, bucket_bytes: int = 1 << 30,
 def is_dense_owner() -> bool:
     """True on the one rank per pipeline stage (TP rank 0 of DP / CP replica 0) that writes or
     sends the stage's non-expert tensors; the others hold identical copies after the TP gather."""
-    from dapo_megatron.train.parallel import coords
     c = coords()
     return c.tp_rank == 0 and c.dp_rank == 0 and c.cp_rank == 0
 
@@ -171,7 +170,6 @@ def write_hf_shards(model_chunks, out_dir: str, shard_bytes: int, on_tensor=None
     elsewhere: the caller merges them and calls `hf_io.finalize_shards`. Tensor by tensor, not in
     buckets: the writer puts each in its file at once, so a reshaped copy (QKV, gate/up) lives only
     until the next one and peak memory stays the stage's weights plus one tensor."""
-    from dapo_megatron.train.parallel import coords
     from dapo_megatron.weights.hf_io import ShardWriter
     writer = is_dense_owner()
     shards = ShardWriter(out_dir, f"part-s{coords().pp_rank}", shard_bytes)

@@ -12,6 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.parallel import coords
 from dapo_megatron.weights import name_map, reshape
 from dapo_megatron.weights.hf_io import CheckpointError, HFCheckpoint
 
@@ -28,7 +29,6 @@ def unwrap(chunk):
 
 def chunk_geometry(chunk) -> dict:
     """Per-chunk facts the name maps and reshapes need (global layer ids, TP/ETP/EP coordinates)."""
-    from dapo_megatron.train.parallel import coords
     chunk, c = unwrap(chunk), coords()
     spec = chunk.spec
     experts_per_rank = spec.num_experts // c.ep
@@ -146,7 +146,7 @@ def fused_layout(ckpt: HFCheckpoint, name: str, num_experts: int, rows_cols: tup
 
 
 class UnstackedExperts:
-    """An HFCheckpoint whose fused expert tensors (`name_map.FUSED_EXPERTS`) read as the
+    """An HFCheckpoint whose fused expert tensors (`Arch.fused_experts`) read as the
     per-expert tensors the name tables use, in either layout; other tensors read through."""
 
     def __init__(self, ckpt: HFCheckpoint, spec):
@@ -205,7 +205,7 @@ def _load_local(model_chunks, hf_dir: str, progress: bool, adopt: bool) -> None:
     try:
         spec = unwrap(model_chunks[0]).spec
         check_names(ckpt, spec)
-        source = UnstackedExperts(ckpt, spec) if name_map.FUSED_EXPERTS.get(spec.model_type) else ckpt
+        source = UnstackedExperts(ckpt, spec) if spec.arch.fused_experts else ckpt
         for chunk in model_chunks:
             geo = chunk_geometry(chunk)
             maps = list(param_maps(chunk, geo))

@@ -1,84 +1,25 @@
-"""HF <-> Megatron-Core parameter names, as tables.
+"""HF <-> Megatron-Core parameter names: the code around each family's tables.
 
-Each row maps an HF name template to a Megatron one (`{}`: layer id, then expert id). A tuple
-`(megatron_name, part)` says the HF tensor is one part of a fused Megatron tensor: q/k/v of
+A family's tables are columns of its `Arch` row (models/registry.py, blocks in models/names.py):
+`names` maps an HF name template to a Megatron one (`{}`: layer id, then expert id), a tuple
+`(megatron_name, part)` saying the HF tensor is one part of a fused Megatron tensor: q/k/v of
 `linear_qkv`, gate/up of `linear_fc1`; `reshape.py` does the fusing. Megatron names are those
 of the local (torch) layer spec; `TE_ALIASES` renames the norms Transformer Engine fuses.
 Layer and expert ids in the tables are global; `resolve` maps a rank's local ids to them.
-A vision-language model keeps its language model under another HF prefix (`LANGUAGE_MODEL`), its
-vision tower under one copied as-is (`VERBATIM`), and its experts fused per layer in the files
-(`FUSED_EXPERTS`); the tables name the per-expert tensors, which the weight sync sends and vLLM
-loads, and the loader / exporter (un)stack them for files.
+A vision-language model keeps its language model under another HF prefix (`language_prefix`),
+its vision tower under one copied as-is (`verbatim`), and its experts fused per layer in the
+files (`fused_experts`); the tables name the per-expert tensors, which the weight sync sends and
+vLLM loads, and the loader / exporter (un)stack them for files.
 """
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from functools import cache
 
-BASE = {
-    "model.embed_tokens.weight": "embedding.word_embeddings.weight",
-    "model.norm.weight": "decoder.final_layernorm.weight",
-    "lm_head.weight": "output_layer.weight",
-    "model.layers.{}.input_layernorm.weight": "decoder.layers.{}.input_layernorm.weight",
-    "model.layers.{}.self_attn.q_proj.weight": ("decoder.layers.{}.self_attention.linear_qkv.weight", "q"),
-    "model.layers.{}.self_attn.k_proj.weight": ("decoder.layers.{}.self_attention.linear_qkv.weight", "k"),
-    "model.layers.{}.self_attn.v_proj.weight": ("decoder.layers.{}.self_attention.linear_qkv.weight", "v"),
-    "model.layers.{}.self_attn.o_proj.weight": "decoder.layers.{}.self_attention.linear_proj.weight",
-    "model.layers.{}.post_attention_layernorm.weight": "decoder.layers.{}.pre_mlp_layernorm.weight",
-}
-QKV_BIAS = {
-    "model.layers.{}.self_attn.q_proj.bias": ("decoder.layers.{}.self_attention.linear_qkv.bias", "q"),
-    "model.layers.{}.self_attn.k_proj.bias": ("decoder.layers.{}.self_attention.linear_qkv.bias", "k"),
-    "model.layers.{}.self_attn.v_proj.bias": ("decoder.layers.{}.self_attention.linear_qkv.bias", "v"),
-}
-QK_NORM = {
-    "model.layers.{}.self_attn.q_norm.weight": "decoder.layers.{}.self_attention.q_layernorm.weight",
-    "model.layers.{}.self_attn.k_norm.weight": "decoder.layers.{}.self_attention.k_layernorm.weight",
-}
-DENSE_MLP = {
-    "model.layers.{}.mlp.gate_proj.weight": ("decoder.layers.{}.mlp.linear_fc1.weight", "gate"),
-    "model.layers.{}.mlp.up_proj.weight": ("decoder.layers.{}.mlp.linear_fc1.weight", "up"),
-    "model.layers.{}.mlp.down_proj.weight": "decoder.layers.{}.mlp.linear_fc2.weight",
-}
-MOE_MLP = {
-    "model.layers.{}.mlp.gate.weight": "decoder.layers.{}.mlp.router.weight",
-    "model.layers.{}.mlp.experts.{}.gate_proj.weight":
-        ("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc1.weight", "gate"),
-    "model.layers.{}.mlp.experts.{}.up_proj.weight":
-        ("decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc1.weight", "up"),
-    "model.layers.{}.mlp.experts.{}.down_proj.weight":
-        "decoder.layers.{}.mlp.experts.local_experts.{}.linear_fc2.weight",
-}
-# Qwen3-VL-MoE: the text model's names under `model.language_model.` (lm_head stays at the top).
-LANGUAGE_MODEL = {"qwen3_vl_moe": "model.language_model."}
+from dapo_megatron.models.names import under
+from dapo_megatron.models.registry import get_arch
 
-
-def _under(prefix: str, table: dict) -> dict:
-    """A table's rows with HF names `model.X` renamed `<prefix>X`."""
-    return {(prefix + hf[len("model."):] if hf.startswith("model.") else hf): mc for hf, mc in table.items()}
-
-
-HF_TO_MCORE = {
-    "qwen2": {**BASE, **QKV_BIAS, **DENSE_MLP},
-    "qwen3": {**BASE, **QK_NORM, **DENSE_MLP},
-    "qwen3_moe": {**BASE, **QK_NORM, **MOE_MLP},
-    "qwen3_vl_moe": _under(LANGUAGE_MODEL["qwen3_vl_moe"], {**BASE, **QK_NORM, **MOE_MLP}),
-}
-# Megatron prefix -> HF prefix of modules whose parameters keep their HF names and layout below
-# it, replicated over TP (not split): Qwen3-VL's vision tower, on the first pipeline stage.
-VERBATIM = {"qwen3_vl_moe": {"visual.": "model.visual."}}
-# HF files that hold each layer's experts as one tensor: fused name -> the per-expert tensors it
-# stacks, concatenated along their rows (an expert's [gate_proj; up_proj], or down_proj). The
-# official Qwen3-VL checkpoints, and vLLM (`is_fused_checkpoint_transposed`), hold them
-# transposed: gate_up_proj [E, H, 2I], down_proj [E, I, H]; transformers 5.19's save_pretrained
-# writes them untransposed ([E, 2I, H], [E, H, I]). Both load (told apart by shape,
-# `reshape.fused_experts_layout`); we write the official one.
-FUSED_EXPERTS = {
-    "qwen3_vl_moe": {
-        "model.language_model.layers.{}.mlp.experts.gate_up_proj": ("gate_proj", "up_proj"),
-        "model.language_model.layers.{}.mlp.experts.down_proj": ("down_proj",),
-    },
-}
 # Transformer Engine's spec fuses the pre-attention / dense pre-MLP norms into the next linear.
 TE_ALIASES = {
     "decoder.layers.{}.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.{}.input_layernorm.weight",
@@ -120,9 +61,8 @@ class ParamMap:
 
 
 def _table(model_type: str) -> dict:
-    if model_type not in HF_TO_MCORE:
-        raise ValueError(f"no weight name table for model_type {model_type!r}; have {sorted(HF_TO_MCORE)}")
-    return HF_TO_MCORE[model_type]
+    """HF -> Megatron names of `model_type`; get_arch's ValueError names the supported ones."""
+    return get_arch(model_type).names
 
 
 def mcore_to_hf_table(model_type: str) -> dict:
@@ -156,7 +96,7 @@ def resolve(mcore_name: str, model_type: str, *, global_layer: dict, expert_offs
     `global_layer`: local layer index -> global layer id of this chunk; `expert_offset`:
     experts_per_rank * ep_rank. Raises KeyError naming the parameter when no table row matches.
     """
-    for mc_prefix, hf_prefix in VERBATIM.get(model_type, {}).items():
+    for mc_prefix, hf_prefix in get_arch(model_type).verbatim.items():
         if mcore_name.startswith(mc_prefix):
             return ParamMap(mcore_name, "copy", {None: hf_prefix + mcore_name[len(mc_prefix):]})
     template, layer, expert = split_ids(mcore_name)
@@ -199,8 +139,12 @@ _TEXT_SHAPES = {
     "model.layers.{}.mlp.experts.{}.up_proj.weight": ("moe_ffn", "hidden"),
     "model.layers.{}.mlp.experts.{}.down_proj.weight": ("hidden", "moe_ffn"),
 }
-HF_SHAPES = {**_TEXT_SHAPES, **{k: v for prefix in set(LANGUAGE_MODEL.values())
-                                for k, v in _under(prefix, _TEXT_SHAPES).items()}}
+
+
+@cache
+def hf_shapes(model_type: str) -> dict[str, tuple[str, ...]]:
+    """{HF name template: named dims} of `model_type`'s language model."""
+    return under(get_arch(model_type).language_prefix, _TEXT_SHAPES)
 
 
 def _expand(template: str, num_layers: int, num_experts: int) -> list[str]:
@@ -217,19 +161,19 @@ def expected_hf_shapes(spec, files: bool = True) -> dict[str, tuple[int, ...]]:
     """{HF name: full shape} of every tensor a complete checkpoint of `spec` (a ModelSpec) holds;
     a tied model has no lm_head. `files`: fused experts as the files hold them (official layout),
     else the per-expert tensors of the tables (what the weight sync sends)."""
-    dims = spec.dims
+    dims, shapes = spec.dims, hf_shapes(spec.model_type)
     out = {}
     for template in _table(spec.model_type):
         if spec.tie_word_embeddings and template == "lm_head.weight":
             continue
-        shape = tuple(dims[d] for d in HF_SHAPES[template])
+        shape = tuple(dims[d] for d in shapes[template])
         out.update((name, shape) for name in _expand(template, spec.num_layers, spec.num_experts))
     if files:
         for fused, (stacked, (rows, cols)) in fused_experts(spec).items():
             for name in stacked:
                 del out[name]
             out[fused] = (spec.num_experts, cols, rows)  # official: each expert's rows transposed
-    if VERBATIM.get(spec.model_type):
+    if get_arch(spec.model_type).verbatim:
         out.update(vision_tower_shapes(spec))
     return out
 
@@ -238,9 +182,9 @@ def fused_experts(spec) -> dict[str, tuple[list[str], tuple[int, int]]]:
     """{fused file tensor: (per-expert names it stacks, expert by expert and part by part;
     (rows, cols) of one expert's parts concatenated)} of `spec`; {} for a model without them."""
     out = {}
-    for template, parts in FUSED_EXPERTS.get(spec.model_type, {}).items():
+    for template, parts in get_arch(spec.model_type).fused_experts.items():
         stem = template.rsplit(".", 1)[0]  # model.language_model.layers.{}.mlp.experts
-        part_shape = tuple(spec.dims[d] for d in HF_SHAPES[f"{stem}.{{}}.{parts[0]}.weight"])
+        part_shape = tuple(spec.dims[d] for d in hf_shapes(spec.model_type)[f"{stem}.{{}}.{parts[0]}.weight"])
         for layer in range(spec.num_layers):
             names = [f"{stem.format(layer)}.{e}.{p}.weight" for e in range(spec.num_experts) for p in parts]
             out[template.format(layer)] = (names, (part_shape[0] * len(parts), part_shape[1]))
@@ -255,5 +199,5 @@ def vision_tower_shapes(spec) -> dict[str, tuple[int, ...]]:
     from dapo_megatron.models.qwen3_vl import build_vision_tower
     with torch.device("meta"):
         tower = build_vision_tower(spec)
-    hf_prefix = next(iter(VERBATIM[spec.model_type].values()))
+    hf_prefix = next(iter(get_arch(spec.model_type).verbatim.values()))
     return {hf_prefix + name: tuple(p.shape) for name, p in tower.named_parameters()}

@@ -2,7 +2,7 @@
 
 What the name tables cannot say lives here: the fused QKV interleaved per query group, gate/up
 fused into linear_fc1, expert ids global <-> per EP rank, the vocab rows padded for TP, and the
-experts that a file stacks into one tensor per layer (Qwen3-VL-MoE, `name_map.FUSED_EXPERTS`).
+experts that a file stacks into one tensor per layer (Qwen3-VL-MoE, `Arch.fused_experts`).
 """
 from __future__ import annotations
 

@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from dapo_megatron.parallel import coords
 from dapo_megatron.weights.checksum import Checksum, tensor_checksum
 from dapo_megatron.weights.export import bucketize, is_dense_owner, iter_hf_params
 from dapo_megatron.weights.transport import Sender
@@ -24,7 +25,6 @@ from dapo_megatron.weights.transport import Sender
 
 def sender_roles() -> tuple[bool, bool]:
     """(sends non-expert tensors, sends its experts) for this rank."""
-    from dapo_megatron.train.parallel import coords
     c = coords()
     return is_dense_owner(), c.etp_rank == 0 and c.edp_rank == 0
 

@@ -32,6 +32,8 @@ from typing import Callable, Optional, Protocol
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.parallel import free_port
+
 Bucket = list[tuple[str, torch.Tensor]]
 Address = tuple[str, int]
 
@@ -189,8 +191,6 @@ class BroadcastTransport:
         """Trainer rank: its group's address if it sends anything (fixed at the first call)."""
         if sends and self._address is None:
             import ray
-
-            from dapo_megatron.train.parallel import free_port
             self._address = (ray.util.get_node_ip_address(), free_port(""))
         return self._address if sends else None
 

@@ -110,8 +110,8 @@ def state_bytes(actor) -> dict:
     state (storages not already counted), and the rank's coordinates (plan/state.py predicts them)."""
     import dataclasses
 
+    from dapo_megatron.parallel import coords
     from dapo_megatron.train.offload import Offloader, main_grads, optimizer_tensors
-    from dapo_megatron.train.parallel import coords
     params = lambda: [p for c in actor.chunks for p in c.parameters()]  # noqa: E731 (no module buffers)
     groups = {"params": params, "grads": main_grads(actor.chunks), "optimizer": optimizer_tensors(actor.optimizer)}
     return {"bytes": Offloader(groups, None).nbytes(), "coords": dataclasses.asdict(coords())}

@@ -3,7 +3,8 @@ over real gloo groups, object_store through a real Ray object store into an engi
 import pytest
 import torch
 
-from dapo_megatron.train.parallel import free_port, run_workers
+from dapo_megatron.parallel import free_port
+from dapo_megatron.train.parallel import run_workers
 from dapo_megatron.weights.transport import TRANSPORTS, BroadcastTransport, ObjectStoreTransport
 
 import dist_jobs

@@ -29,8 +29,10 @@ def env(tiny_assets):
                             max_prompt_length=64, truncation="filter", skip_bad_rows=False)
     ray.init(num_cpus=2 + dataplane.ray_cpus(DataPlaneConfig()), include_dashboard=False, log_to_driver=False)
     handle = dataplane.start(DataPlaneConfig())
-    engine = engine_actor(str(tiny_assets / "qwen3_moe"), RolloutConfig(enforce_eager=True), dtype="fp32",
-                          max_model_len=512, device="cpu", num_cpus=1, data_plane=handle)
+    from dapo_megatron.rollout.engine_spec import EngineSpec
+    spec = EngineSpec.from_model(str(tiny_assets / "qwen3_moe"), RolloutConfig(enforce_eager=True), dtype="fp32",
+                                 max_model_len=512)
+    engine = engine_actor(spec, device="cpu", num_cpus=1, data_plane=handle)
     yield dataset, engine, dataplane.connect(handle), handle
     ray.get(engine.shutdown.remote())
     dataplane.stop()
@@ -54,8 +56,9 @@ def tool_env(env, tool_assets):
                             max_prompt_length=64, truncation="error", skip_bad_rows=False,
                             tools=[t.schema for t in load_tools(tools).values()])  # as driver/setup.py does
     cfg = RolloutConfig(enforce_eager=True, seed=0, multi_turn=MultiTurnConfig(enable=True, max_turns=3), tools=tools)
-    engine = engine_actor(str(tool_assets / "qwen2"), cfg, dtype="fp32", max_model_len=256, device="cpu", num_cpus=1,
-                          data_plane=env[3])
+    from dapo_megatron.rollout.engine_spec import EngineSpec
+    spec = EngineSpec.from_model(str(tool_assets / "qwen2"), cfg, dtype="fp32", max_model_len=256)
+    engine = engine_actor(spec, device="cpu", num_cpus=1, data_plane=env[3])
     ray.get(engine.num_in_flight.remote())  # started
     yield tokenizer, dataset, engine, env[2]
     ray.get(engine.shutdown.remote())
@@ -80,7 +83,7 @@ class RecordingSampler:
 def half_degenerate(items, groups):
     """Even dataset indices: every response 'correct' (a group with no signal); odd: mixed."""
     from dapo_megatron.algo import Group
-    from dapo_megatron.driver.collect import ScoredGroup
+    from dapo_megatron.rollout.collect import ScoredGroup
     out = []
     for item, group in zip(items, groups):
         n = len(group.keys)
@@ -93,7 +96,7 @@ def _check_kept(result, plane, partition):
     """The kept batch, and the data plane holding its rows and nothing else (filtered and aborted
     groups cleared at once); the driver received metadata only: tens of bytes per response."""
     from dapo_megatron.dataplane import read_batch
-    from dapo_megatron.driver.collect import groups_to_batch
+    from dapo_megatron.rollout.collect import groups_to_batch
     assert len(result.groups) == TRAIN
     assert all(g.payload.item.index % 2 == 1 for g in result.groups)
     step = groups_to_batch(result.groups, partition)
@@ -108,9 +111,9 @@ def _check_kept(result, plane, partition):
 
 def test_sync_mode_keeps_exactly_train_batch_size(env):
     from dapo_megatron.algo import DynamicSampler
-    from dapo_megatron.driver.collect import collect_sync
+    from dapo_megatron.rollout.collect import collect_sync
     from dapo_megatron.rollout.types import Sampling
-    from dapo_megatron.driver.collect import Store
+    from dapo_megatron.rollout.collect import Store
     dataset, engine, plane, _ = env
     prompts = RecordingSampler(len(dataset))
     sampler = DynamicSampler(TRAIN, max_num_gen_batches=10)
@@ -129,7 +132,7 @@ def _early_stop_steps(engine, dataset, plane, sampling, partition, steps=3):
     of timing: a step in which every group came back in the same poll has nothing to abort, so
     the abort path gets up to `steps` chances. Returns the metrics of every step."""
     from dapo_megatron.algo import DynamicSampler
-    from dapo_megatron.driver.collect import Store, collect_early_stop
+    from dapo_megatron.rollout.collect import Store, collect_early_stop
     out = []
     for step in range(steps):
         prompts, seen = RecordingSampler(len(dataset), seed=3 + step), []

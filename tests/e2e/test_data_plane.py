@@ -122,7 +122,7 @@ def test_rows_round_trip_by_key_and_field_and_clear_to_baseline(plane_env):
 def _collect(plane_env, length, partition):
     from dapo_megatron.algo import DynamicSampler
     from dapo_megatron.data.sampler import PromptSampler
-    from dapo_megatron.driver.collect import RewardScorer, Store, collect_sync, received
+    from dapo_megatron.rollout.collect import RewardScorer, Store, collect_sync, received
     from dapo_megatron.rollout.types import Sampling
     ray = pytest.importorskip("ray")
     handle, plane, reward = plane_env
@@ -137,7 +137,8 @@ def _collect(plane_env, length, partition):
 
 def test_driver_bytes_per_response_do_not_grow_with_response_length(plane_env):
     """16 vs 1024 tokens per response: the driver receives the same bytes per response (keys,
-    lengths, scores); the tokens are in the data plane, where the reward worker wrote scores."""
+    lengths, scores); the tokens are in the data plane, the scores only in the driver's metadata
+    (nobody reads them from the plane, so the reward worker writes none there)."""
     _, plane, _ = plane_env
     short, per_short, held_short = _collect(plane_env, 16, "short")
     long, per_long, held_long = _collect(plane_env, 1024, "long")
@@ -145,8 +146,11 @@ def test_driver_bytes_per_response_do_not_grow_with_response_length(plane_env):
     # what the driver holds after collection (its dataset's prompts + metadata) does not grow either
     assert held_long <= held_short * 1.05, (held_short, held_long)
     keys = [k for g in long.groups for k in g.payload.rollout.keys]
-    rows = plane.get("long", keys, ["responses", "scores"])
-    assert all(len(r["responses"]) == 1024 for r in rows) and all(r["scores"] == -1.0 for r in rows)
+    rows = plane.get("long", keys, ["responses"])
+    assert all(len(r["responses"]) == 1024 for r in rows)
+    assert all(s == -1.0 for g in long.groups for s in g.payload.scores.tolist())
+    with pytest.raises(KeyError, match="scores"):
+        plane.get("long", keys, ["scores"])
     assert plane.resident_bytes() > 4 * N * 1024 * 8  # the responses (int64) live in the data plane
     plane.clear("short")
     plane.clear("long")
@@ -157,8 +161,8 @@ def test_each_dp_rank_reads_only_its_share(plane_env):
     the DP shares cover the batch once. TP / PP peers use the same split (their DP rank's)."""
     from dapo_megatron import dataplane
     from dapo_megatron.batch import FIELDS
-    from dapo_megatron.driver.collect import groups_to_batch
-    from dapo_megatron.driver.workers import LOGPROB_FIELDS
+    from dapo_megatron.rollout.collect import groups_to_batch
+    from dapo_megatron.batch import READ_BY_LOGPROBS, read_by
     from dapo_megatron.train.microbatch import split_for_dp
     _, plane, _ = plane_env
     result, _, _ = _collect(plane_env, 64, "share")
@@ -166,10 +170,10 @@ def test_each_dp_rank_reads_only_its_share(plane_env):
     shares = split_for_dp(step.sequence_lengths, 2)
     assert sorted(shares[0] + shares[1]) == list(range(len(step))) and shares[0] and shares[1]
     whole = sum(sum(v.numel() * v.element_size() for v in r.values())
-                for r in plane.get("share", step.keys, [f for f in LOGPROB_FIELDS if f in step.fields]))
+                for r in plane.get("share", step.keys, [f for f in read_by(READ_BY_LOGPROBS) if f in step.fields]))
     for rows in shares:
         plane.pop_counters()
-        batch = dataplane.read_batch(plane, step, rows, LOGPROB_FIELDS)
+        batch = dataplane.read_batch(plane, step, rows, read_by(READ_BY_LOGPROBS))
         assert len(batch) == len(rows) and batch.group.tolist() == [step.group[i] for i in rows]
         own = sum(len(batch.prompts[i]) * 8 + len(batch.responses[i]) * (8 + 4) for i in range(len(rows)))
         got = plane.pop_counters()["bytes_get"]
@@ -184,7 +188,7 @@ def test_early_stop_clears_aborted_and_filtered_groups_at_once(plane_env):
     ray = pytest.importorskip("ray")
     from dapo_megatron.algo import DynamicSampler, Group
     from dapo_megatron.data.sampler import PromptSampler
-    from dapo_megatron.driver.collect import RewardScorer, ScoredGroup, Store, collect_early_stop
+    from dapo_megatron.rollout.collect import RewardScorer, ScoredGroup, Store, collect_early_stop
     from dapo_megatron.rollout.types import Sampling
     handle, plane, reward = plane_env
     engine = ray.remote(FakeEngine).options(num_cpus=0, max_concurrency=4).remote(handle, 32, delay=0.3)
@@ -210,13 +214,13 @@ def test_early_stop_clears_aborted_and_filtered_groups_at_once(plane_env):
 
 def test_scorer_gives_the_rows_extra_info_to_a_custom_reward(plane_env, tmp_path, tiny_assets):
     """verl's reward contract through the reward worker: the dataset row's extra_info reaches
-    compute_score, and the scores come back per response and in the data plane."""
+    compute_score, and the scores come back per response (metadata: none in the data plane)."""
     ray = pytest.importorskip("ray")
     from dapo_megatron.batch import Prompt
     from dapo_megatron.config.schema import DapoConfig, RewardConfig
     from dapo_megatron.data.dataset import PromptItem
     from dapo_megatron.dataplane import read_batch
-    from dapo_megatron.driver.collect import RewardScorer, groups_to_batch
+    from dapo_megatron.rollout.collect import RewardScorer, groups_to_batch
     from dapo_megatron.driver.workers import RewardWorker
     from dapo_megatron.rollout.types import RolloutGroup
     handle, plane, _ = plane_env
@@ -239,7 +243,8 @@ def test_scorer_gives_the_rows_extra_info_to_a_custom_reward(plane_env, tmp_path
     assert [g.metric_values for g in scored] == [[0.0, 0.0], [1.0, 1.0]]
     step = groups_to_batch(scored, "extra")
     assert step.scores == [0.5, 0.5, 2.0, 2.0] and step.group == [0, 0, 1, 1] and step.loss_tokens == [1, 1] * 2
-    assert [r["scores"] for r in plane.get("extra", step.keys, ["scores"])] == step.scores
+    with pytest.raises(KeyError, match="scores"):
+        plane.get("extra", step.keys, ["scores"])
     batch = read_batch(plane, step, [1, 3], ["prompts", "responses", "rollout_logprobs", "loss_mask"])
     assert batch.loss_mask.tolist() == [[1, 0], [1, 0]]
     torch.testing.assert_close(batch.rollout_logprobs, torch.tensor([[-0.2, -0.3]] * 2))
@@ -253,8 +258,8 @@ def test_a_groups_pixels_are_stored_once_and_read_once_per_rank(plane_env):
     empty image fields; clearing a group's data keys clears its pixels too."""
     from dapo_megatron.algo import Group
     from dapo_megatron.dataplane import read_batch
-    from dapo_megatron.driver.collect import ScoredGroup, groups_to_batch
-    from dapo_megatron.driver.workers import LOGPROB_FIELDS
+    from dapo_megatron.rollout.collect import ScoredGroup, groups_to_batch
+    from dapo_megatron.batch import READ_BY_LOGPROBS, read_by
     from dapo_megatron.rollout.actor import GroupStore
     from dapo_megatron.rollout.types import RolloutGroup
     handle, plane, _ = plane_env
@@ -276,12 +281,166 @@ def test_a_groups_pixels_are_stored_once_and_read_once_per_rank(plane_env):
     step = groups_to_batch(scored, "img")
     assert step.image_keys == ["img/r0/images"] * N + [""] * N and "pixel_values" in step.fields
     plane.pop_counters()
-    batch = read_batch(plane, step, [0, 2, 5, 7], LOGPROB_FIELDS)
+    batch = read_batch(plane, step, [0, 2, 5, 7], read_by(READ_BY_LOGPROBS))
     assert plane.pop_counters()["bytes_get"] < pixels.numel() * 4 * 1.5  # the shared image row read once
     assert torch.equal(batch.pixel_values[0], pixels) and torch.equal(batch.pixel_values[1], pixels)
     assert batch.image_grid_thw[1].tolist() == [[1, 4, 8], [1, 8, 8]]
     assert batch.pixel_values[2].shape == (0, 384) and batch.image_grid_thw[3].shape == (0, 3)
-    text_only = read_batch(plane, step, [4, 6], LOGPROB_FIELDS)
+    text_only = read_batch(plane, step, [4, 6], read_by(READ_BY_LOGPROBS))
     assert text_only.pixel_values is None  # no image row among them: no image fields at all
     plane.clear("img", [k for s in stored for k in s.data_keys])
     assert plane.resident_bytes() == baseline
+
+
+class SeededEngine(FakeEngine):
+    """Fake (no vLLM): a response's tokens depend on its prompt and the step's sampling seed only,
+    as a seeded vLLM request's do, so a restarted producer regenerates the same step. With
+    `finish_order` (dataset indices) each poll returns the one in-flight group that comes first in
+    it (aborted ones among them): the test, not the clock, sets which requests finish first."""
+
+    def __init__(self, data_plane, length: int, finish_order=None):
+        super().__init__(data_plane, length)
+        self.rank = {index: i for i, index in enumerate(finish_order or [])}
+
+    def _group(self, rid, prompt, sampling, index):
+        import zlib
+
+        from dapo_megatron.rollout.types import RolloutGroup
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{sampling.seed}:{list(prompt.ids)[-1]}".encode()))
+        lengths = [self.length - (index + j) % 5 for j in range(sampling.n)]
+        responses = [torch.randint(3, 400, (n,), generator=gen).tolist() for n in lengths]
+        return RolloutGroup(rid, index, list(prompt.ids), responses, [[-0.5] * n for n in lengths],
+                            ["length"] * sampling.n)
+
+    def poll(self, timeout=0.0, max_groups=None):
+        if not self.rank:
+            return super().poll(timeout, max_groups)
+        time.sleep(0.01)
+        if not self.live:
+            return []
+        rid = min(self.live, key=lambda r: self.rank.get(self.live[r][1].index, len(self.rank)))
+        return self.store.put([self.live.pop(rid)[1]])
+
+
+def _manager_cfg(mode: str):
+    import dataclasses as dc
+
+    from dapo_megatron.config.schema import DapoConfig
+    cfg = DapoConfig()
+    fg = dc.replace(cfg.algorithm.filter_groups, enable=True, mode=mode, max_num_gen_batches=10)
+    return dc.replace(cfg, data=dc.replace(cfg.data, train_batch_size=3, gen_batch_size=4, max_response_length=24),
+                      rollout=dc.replace(cfg.rollout, n=N, max_concurrent_per_engine=4 * N, seed=5),
+                      algorithm=dc.replace(cfg.algorithm, filter_groups=fg),
+                      reward=dc.replace(cfg.reward, custom_fn=os.path.join(os.path.dirname(__file__), "parity_reward.py")
+                                        + ":compute_score"))
+
+
+def _inline_batches(cfg, engine, data, reward, plane, steps):
+    """The driver's collection at the start of issue #33 (driver/loop.py's `generate` and
+    `train_step`, before the rollout manager): the reference the manager must reproduce."""
+    from dapo_megatron.algo import DynamicSampler
+    from dapo_megatron.data.sampler import PromptSampler
+    from dapo_megatron.rollout.collect import RewardScorer, Store, collect_early_stop, collect_sync, groups_to_batch
+    from dapo_megatron.rollout.types import Sampling
+    fg = cfg.algorithm.filter_groups
+    prompts = PromptSampler(len(data), shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+    sampler = DynamicSampler(cfg.data.train_batch_size, fg.max_num_gen_batches, fg.on_exhausted, fg.enable)
+    scorer, out = RewardScorer(reward, fg.metric), []
+    for step in steps:
+        sampling = Sampling.from_config(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed + step - 1)
+        store = Store(f"step{step}-{step}", plane)
+        args = (engine, data, prompts, sampler, scorer, sampling, cfg.data.gen_batch_size, store)
+        collected = (collect_early_stop(*args, max_concurrent_per_engine=cfg.rollout.max_concurrent_per_engine)
+                     if fg.mode == "early_stop" else collect_sync(*args))
+        out.append((groups_to_batch(collected.groups, store.partition),
+                    {**collected.metrics, **scorer.pop_metrics(), "data/prompts_consumed": float(prompts.consumed)}))
+        store.clear()
+    return out
+
+
+def _same(got, want, resumed=False):
+    """Batches equal field by field; metrics equal but for timings. A resumed producer counts its
+    collections (the partitions' names) afresh."""
+    (batch, metrics), (ref, ref_metrics) = got, want
+    assert {**vars(batch), "partition": ref.partition if resumed else batch.partition} == vars(ref)
+    drop = ("timing/", "reward/time")
+    assert ({k: v for k, v in metrics.items() if not k.startswith(drop)}
+            == {k: v for k, v in ref_metrics.items() if not k.startswith(drop)})
+
+
+@pytest.mark.parametrize("mode", ["sync", "early_stop"])
+def test_rollout_manager_reproduces_the_drivers_batches_and_resumes_exactly(plane_env, tiny_assets, mode):
+    """The rollout manager (a Ray actor) hands out, for a fixed seed, the batches the driver's own
+    collection made before the manager existed: same keys, lengths, scores, groups, metrics, with
+    dynamic sampling dropping groups; in early-stop mode with a scripted finish order (prompts
+    aborted and pushed back in between). A second manager loaded from the first's state after
+    step 1 (a resumed run) produces the same steps 2 and 3."""
+    ray = pytest.importorskip("ray")
+    from dapo_megatron.rollout.manager import RolloutManager
+    from dapo_megatron.driver.workers import RewardWorker
+    handle, plane, _ = plane_env
+    cfg = _manager_cfg(mode)
+    reward = ray.remote(RewardWorker).options(num_cpus=0).remote(cfg, str(tiny_assets / "tokenizer"), handle)
+    order = [(i * 7) % 24 for i in range(24)] if mode == "early_stop" else None
+
+    def engine():
+        return ray.remote(SeededEngine).options(num_cpus=0, max_concurrency=4).remote(handle, 24, order)
+
+    def manager():
+        return ray.remote(RolloutManager).options(num_cpus=0).remote(cfg, [engine()], reward, handle, Items(24), None, ())
+
+    def batch(m, step):
+        out = ray.get(m.next_batch.remote(step))
+        plane.clear(out[0].partition)  # the trainer's part
+        return out
+
+    first = manager()
+    got = [batch(first, 1)]
+    state = ray.get(first.state_dict.remote())
+    got += [batch(first, 2), batch(first, 3)]
+    resumed = manager()
+    ray.get(resumed.load_state_dict.remote(state))
+    again = [batch(resumed, 2), batch(resumed, 3)]
+    want = _inline_batches(cfg, [engine()], Items(24), reward, plane, [1, 2, 3])
+    for g, w in zip(got, want):
+        _same(g, w)
+    for g, w in zip(again, want[1:]):
+        _same(g, w, resumed=True)
+    metrics = [m for _, m in got]
+    assert all(len(b) == 3 * N for b, _ in got) and sum(m["sampling/filtered_tokens"] for m in metrics) > 0, metrics
+    if mode == "early_stop":
+        assert sum(m.get("sampling/aborted_groups", 0) for m in metrics) > 0, metrics
+    assert got[1][0].keys != got[2][0].keys  # the steps differ: a manager stuck on one batch fails
+    ray.get(reward.close.remote())
+    for m in (first, resumed):
+        ray.kill(m)
+
+
+def test_a_new_fields_row_reaches_a_ranks_passes_with_no_other_edit(plane_env, monkeypatch):
+    """One FIELDS row (a per-token weight the engine writes and the update reads): stored with the
+    engine's rows, it is in the update's read list and in the rank's batch, read once per step
+    through the rank's row cache; the log-prob pass does not read it."""
+    from dapo_megatron import batch as schema
+    from dapo_megatron.dataplane import StepBatch, read_batch
+    _, plane, _ = plane_env
+    monkeypatch.setitem(schema.FIELDS, "token_weight", schema.Field(
+        "token_weight", schema.TOKEN, torch.float32, readers=(schema.READ_BY_UPDATE,)))
+    keys = [f"w/{i}" for i in range(4)]
+    rows = [dict(prompts=list(range(300 + i)), responses=list(range(i + 2)), rollout_logprobs=[-0.5] * (i + 2),
+                 token_weight=[0.25 * (i + 1)] * (i + 2)) for i in range(4)]
+    plane.put("new", keys, rows, writer="rollout")
+    step = StepBatch("new", keys, [0, 0, 1, 1], [302 + 2 * i for i in range(4)], [i + 2 for i in range(4)],
+                     [i + 2 for i in range(4)], [1.0, -1.0, 1.0, -1.0], [True, False, True, False],
+                     ("prompts", "responses", "rollout_logprobs", "token_weight"), advantages=[0.5, -0.5, 0.5, -0.5])
+    assert "token_weight" in schema.read_by(schema.READ_BY_UPDATE)
+    assert "token_weight" not in schema.read_by(schema.READ_BY_LOGPROBS)
+    cache: dict = {}
+    plane.pop_counters()
+    first = read_batch(plane, step, [1, 3], schema.read_by(schema.READ_BY_LOGPROBS), cache)
+    assert first.token_weight is None and first.scores.tolist() == [-1.0, -1.0]
+    logprob_pass = plane.pop_counters()["bytes_get"]
+    update = read_batch(plane, step, [1, 3], schema.read_by(schema.READ_BY_UPDATE), cache)
+    assert update.token_weight.tolist() == [[0.5, 0.5, 0.5, 0.0, 0.0], [1.0] * 5]
+    assert update.advantages.tolist() == [-0.5, -0.5] and update.responses[1].tolist() == list(range(5))
+    assert 0 < plane.pop_counters()["bytes_get"] <= 10 * 4 * 1.1 < logprob_pass  # only the new column
+    plane.clear("new")

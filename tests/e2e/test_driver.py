@@ -329,7 +329,7 @@ def _job_submit(overrides, env) -> subprocess.CompletedProcess:
     """The run as a `ray job submit` to a head node of its own (stopped afterwards)."""
     import secrets
 
-    from dapo_megatron.train.parallel import free_port
+    from dapo_megatron.parallel import free_port
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     gcs, dash, agent = free_port(), free_port(), free_port()
     # Ray 2.60 clusters require a token; give this test cluster its own, through the environment.

@@ -63,6 +63,7 @@ def setup(request, tmp_path_factory):
     from dapo_megatron.assets.models import TEST_SHAPES, build_test_shape, build_tiny_model
     from dapo_megatron.config.schema import RolloutConfig
     from dapo_megatron.rollout.engine import Engine
+    from dapo_megatron.rollout.engine_spec import EngineSpec
     root, shape = tmp_path_factory.mktemp(request.param), request.param
     if shape in TEST_SHAPES:
         assert TEST_SHAPES[shape][1] == VOCAB
@@ -73,7 +74,8 @@ def setup(request, tmp_path_factory):
     models = {name: _hf_model(p) for name, p in paths.items()}
     greedy = {name: hf_greedy(m, PROMPTS, NEW_TOKENS) for name, m in models.items()}
     assert greedy["A"] != greedy["B"], "A and B must differ for the push tests to mean anything"
-    engine = Engine(paths["A"], RolloutConfig(enforce_eager=True, seed=0), dtype="fp32", max_model_len=1024)
+    engine = Engine(EngineSpec.from_model(paths["A"], RolloutConfig(enforce_eager=True, seed=0), dtype="fp32",
+                                          max_model_len=1024))
     yield dict(shape=shape, engine=engine, paths=paths, models=models, greedy=greedy,
                state_dicts={n: _state_dict(p) for n, p in paths.items()})
     engine.shutdown()

@@ -26,6 +26,7 @@ def actor(tmp_path_factory):
     from dapo_megatron.assets.models import build_tiny_model
     from dapo_megatron.config.schema import RolloutConfig
     from dapo_megatron.rollout.actor import engine_actor
+    from dapo_megatron.rollout.engine_spec import EngineSpec
     root = tmp_path_factory.mktemp("ray_engine")
     paths = [build_tiny_model("qwen3_moe", str(root / n), vocab_size=VOCAB, seed=s) for n, s in (("A", 0), ("B", 1))]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -33,7 +34,8 @@ def actor(tmp_path_factory):
     # session would inherit: the engine runs in its own Ray actor process, as the driver runs it.
     cfg = RolloutConfig(enforce_eager=True, max_num_batched_tokens=128, max_concurrent_per_engine=16,
                         enable_prefix_caching=False)
-    handle = engine_actor(paths[0], cfg, dtype="fp32", max_model_len=512, device="cpu", num_cpus=1)
+    handle = engine_actor(EngineSpec.from_model(paths[0], cfg, dtype="fp32", max_model_len=512), device="cpu",
+                          num_cpus=1)
     yield ray, handle, paths
     ray.get(handle.shutdown.remote())
     ray.shutdown()

@@ -17,9 +17,10 @@ pytestmark = pytest.mark.e2e
 def engine(tool_assets):
     from dapo_megatron.config.schema import MultiTurnConfig, RolloutConfig
     from dapo_megatron.rollout.engine import Engine
+    from dapo_megatron.rollout.engine_spec import EngineSpec
     cfg = RolloutConfig(enforce_eager=True, seed=0, multi_turn=MultiTurnConfig(enable=True, max_turns=3),
                         tools=["python"])
-    eng = Engine(str(tool_assets / "qwen2"), cfg, dtype="fp32", max_model_len=256)
+    eng = Engine(EngineSpec.from_model(str(tool_assets / "qwen2"), cfg, dtype="fp32", max_model_len=256))
     yield eng
     eng.shutdown()
 
@@ -82,14 +83,14 @@ def test_abort_while_tools_run_ends_the_conversation(engine, tool_assets):
     from dapo_megatron.rollout.types import Sampling
     from dapo_megatron.toolcall.registry import Tool
     tok, items = _prompts(tool_assets, 2)
-    runner = engine._tools.runner
+    runner = engine._requests.features["tools"].runner
     real = runner.tools["python"]
     runner.tools["python"] = Tool("python", lambda code: (time.sleep(3), "late")[1], real.schema)
     try:
         engine.submit("slow", items[0].prompt, Sampling(n=4, temperature=0.0, max_tokens=96), index=0)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and engine._call(lambda: any(
-                c is None for live in engine._live.values() for c in live.children)) is False:
+                c is None for live in engine._requests.live.values() for c in live.children)) is False:
             time.sleep(0.05)
         start = time.monotonic()
         assert engine.abort(["slow"]) == ["slow"]

@@ -16,12 +16,13 @@ def test_tp2_moe_generate_push_as_bytes_and_checksum(tmp_path):
     from dapo_megatron.config.schema import ParallelConfig, RolloutConfig
     from dapo_megatron.weights.checksum import checksum_mismatches, state_dict_checksums
     from dapo_megatron.rollout.engine import Engine
+    from dapo_megatron.rollout.engine_spec import EngineSpec
     from dapo_megatron.rollout.types import Sampling
     from tests.e2e.test_engine import PROMPTS, RECORDS, _hf_model, hf_greedy
     paths = [build_tiny_model("qwen3_moe", str(tmp_path / n), vocab_size=500, seed=s) for n, s in (("A", 0), ("B", 1))]
     expected = [hf_greedy(_hf_model(p), PROMPTS, 8) for p in paths]
-    engine = Engine(paths[0], RolloutConfig(enforce_eager=True, parallel=ParallelConfig(tp=2)),
-                    dtype="fp32", max_model_len=256)
+    engine = Engine(EngineSpec.from_model(paths[0], RolloutConfig(enforce_eager=True, parallel=ParallelConfig(tp=2)),
+                                          dtype="fp32", max_model_len=256))
     try:
         assert engine.weight_transport == "bytes"
         greedy = Sampling(temperature=0.0, max_tokens=8)
@@ -50,6 +51,7 @@ def test_tp2_vision_language_engine_checksums_and_logprobs_before_and_after_a_pu
     from dapo_megatron.config.schema import ParallelConfig, RolloutConfig
     from dapo_megatron.device.vision import load_processor
     from dapo_megatron.rollout.engine import Engine
+    from dapo_megatron.rollout.engine_spec import EngineSpec
     from dapo_megatron.rollout.types import Sampling
     from tests.e2e.test_engine_vl import TOLERANCE, _ids, _image, _max_diff_to_hf, check_checksums_name_every_tensor
     paths = [str(tiny_vl_model), str(build_vl_assets(tmp_path / "B", seed=1))]
@@ -57,8 +59,9 @@ def test_tp2_vision_language_engine_checksums_and_logprobs_before_and_after_a_pu
     prompts = [Prompt(tuple(_ids(processor, 1, "How many shapes?")), (_image(40, 60, 0),)),
                Prompt(tuple(_ids(processor, 2, "Which is larger?")), (_image(90, 50, 1), _image(64, 64, 2)))]
     sampling = Sampling(n=2, temperature=1.0, max_tokens=8, seed=3)
-    engine = Engine(paths[0], RolloutConfig(enforce_eager=True, seed=0, max_images_per_prompt=2,
-                                            parallel=ParallelConfig(tp=2)), dtype="fp32", max_model_len=1024)
+    engine = Engine(EngineSpec.from_model(paths[0], RolloutConfig(enforce_eager=True, seed=0, max_images_per_prompt=2,
+                                                                  parallel=ParallelConfig(tp=2)),
+                                          dtype="fp32", max_model_len=1024))
     try:
         assert engine.weight_transport == "bytes"
         before = _max_diff_to_hf(paths[0], processor, prompts, engine.generate(prompts, sampling))

@@ -37,10 +37,11 @@ def vl(tiny_vl_model):
     from dapo_megatron.config.schema import RolloutConfig
     from dapo_megatron.device.vision import load_processor
     from dapo_megatron.rollout.engine import Engine
+    from dapo_megatron.rollout.engine_spec import EngineSpec
     path = str(tiny_vl_model)
     processor = load_processor(path)
-    engine = Engine(path, RolloutConfig(enforce_eager=True, seed=0, max_images_per_prompt=2), dtype="fp32",
-                    max_model_len=1024)
+    engine = Engine(EngineSpec.from_model(path, RolloutConfig(enforce_eager=True, seed=0, max_images_per_prompt=2),
+                                          dtype="fp32", max_model_len=1024))
     images = (_image(40, 60, 0), _image(90, 50, 1))  # grids differ: [1, 4, 8] and [1, 12, 6]
     prompts = [Prompt(tuple(_ids(processor, 1, "How many shapes?")), images[:1]),
                Prompt(tuple(_ids(processor, 2, "Which is larger?")), images),
@@ -80,7 +81,8 @@ def test_prompt_expanded_to_the_image_grids(vl):
         assert runs == tokens
         assert len(group.prompt) == len(prompt.ids) - len(prompt.images) + sum(tokens)
         # what a group aborted before vLLM's first output carries: the same expansion
-        assert vl["engine"]._expand_image_pads(list(prompt.ids), group.image_grid_thw) == group.prompt
+        images = vl["engine"]._requests.features["images"]
+        assert images.expand_pads(list(prompt.ids), group.image_grid_thw) == group.prompt
     assert vl["groups"][1].image_grid_thw[0] != vl["groups"][1].image_grid_thw[1]
 
 

@@ -22,8 +22,9 @@ VOCAB = 500
 def setup(tmp_path_factory):
     from dapo_megatron.assets.models import build_tiny_model
     from dapo_megatron.config.schema import ParallelConfig
+    from dapo_megatron.parallel import free_port
     from dapo_megatron.train.actor import Actor
-    from dapo_megatron.train.parallel import destroy_parallel, free_port, init_parallel
+    from dapo_megatron.train.parallel import destroy_parallel, init_parallel
     hf_dir = build_tiny_model("qwen3_moe", str(tmp_path_factory.mktemp("gpu") / "moe"), vocab_size=VOCAB, seed=0)
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     init_parallel(ParallelConfig())

