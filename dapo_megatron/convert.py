@@ -94,6 +94,7 @@ def _mcore_to_hf_worker(ckpt: str, spec, out_dir: str, layout: dict, dtype: str,
     from tqdm import tqdm
 
     from dapo_megatron.device import get_device
+    from dapo_megatron.logs import console
     from dapo_megatron.models import build_model
     from dapo_megatron.train.parallel import init_parallel
     from dapo_megatron.weights.export import write_hf_shards
@@ -104,7 +105,7 @@ def _mcore_to_hf_worker(ckpt: str, spec, out_dir: str, layout: dict, dtype: str,
     state, keys = _load_in_place(chunks[0], ckpt)
     chunks[0].load_state_dict(state, strict=True)  # checks the keys; a tensor copied onto itself is skipped
     del state
-    bar = tqdm(desc="export", unit="tensor", disable=dist.get_rank() != 0, file=sys.stderr)
+    bar = tqdm(desc="export", unit="tensor", disable=dist.get_rank() != 0, file=console())
     result = write_hf_shards(chunks, out_dir, shard_bytes, on_tensor=lambda _: bar.update(1))
     bar.close()
     return {**result, "keys": keys}
@@ -298,7 +299,7 @@ def hf_to_mcore(args) -> str:
     try:
         world = world_for_layout(layout)
         run_workers(_hf_to_mcore_worker, world, os.path.abspath(args.hf_dir), spec, tmp, layout, dtype,
-                    pick_device(args.device, world), timeout_s=args.timeout)
+                    pick_device(args.device, world), timeout_s=args.timeout, log_path=log_path(args))
         _copy_aux(args.hf_dir, os.path.join(tmp, hf_io.HF_SUBDIR), dtype)
         with open(os.path.join(tmp, META_FILE), "w") as f:
             json.dump({"format": "megatron-core dist_checkpointing torch_dist", "layout": layout,
@@ -331,7 +332,7 @@ def mcore_to_hf(args) -> str:
         world = world_for_layout(layout)
         results = run_workers(_mcore_to_hf_worker, world, os.path.abspath(args.ckpt), spec,
                               tmp, layout, dtype, args.shard_mb << 20, pick_device(args.device, world),
-                              timeout_s=args.timeout)
+                              timeout_s=args.timeout, log_path=log_path(args))
         _check_all_loaded(args.ckpt, hf_config, tensors, set().union(*(r["keys"] for r in results)))
         weight_map, total = {}, 0
         for r in results:
@@ -390,10 +391,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def log_path(args) -> str:
+    """Where the workers' library output goes (Megatron's Apex / TE fallback warnings and the
+    like): beside the output folder, so the console keeps our lines and the folder only its files."""
+    return os.path.abspath(args.out).rstrip(os.sep) + ".convert.log"
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from dapo_megatron.train import forkserver
-    forkserver.start()  # the workers' imports run while this process checks the input
+    forkserver.start(log_path(args))  # the workers' imports run while this process checks the input
     from dapo_megatron.train.parallel import WorkerError
     from dapo_megatron.weights.hf_io import CheckpointError
     try:
@@ -405,6 +412,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         if args.verbose:
             print(e.details, file=sys.stderr)
+        print(f"library output of the workers: {log_path(args)}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; nothing written", file=sys.stderr)

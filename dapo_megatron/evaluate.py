@@ -151,21 +151,19 @@ def score(cfg, tokenizer, items, groups) -> list[dict]:
 
 def summarize(records: list[dict], n: int) -> dict:
     """{data_source (and "all"): {avg@n, pass@k, maj@k..., response_length, cut}} averaged over prompts."""
-    from dapo_megatron.reward.metrics import group_metrics, maj_method
+    from dapo_megatron.reward.metrics import group_metrics, maj_method, mean_by_source
     by_prompt: dict[int, list[dict]] = {}
     for r in records:
         by_prompt.setdefault(r["index"], []).append(r)
-    table: dict[str, dict[str, list[float]]] = {}
+    rows = []
     for samples in by_prompt.values():
         metrics = group_metrics([s["answer"] for s in samples], [s["correct"] for s in samples])
         metrics["response_length"] = sum(s["length"] for s in samples) / len(samples)
         metrics["cut"] = sum(s["cut"] for s in samples) / len(samples)
-        for source in (samples[0]["data_source"], "all"):
-            for k, v in metrics.items():
-                table.setdefault(source, {}).setdefault(k, []).append(v)
-    out = {src: {k: sum(vs) / len(vs) for k, vs in cols.items()} for src, cols in table.items()}
+        rows.append((samples[0]["data_source"], metrics))
+    out = mean_by_source(rows)
     for src in out:
-        out[src]["prompts"] = len(table[src][f"avg@{n}"])
+        out[src]["prompts"] = sum(1 for s, _ in rows if src in (s, "all"))
     return {"n": n, "maj_method": maj_method(n), "sources": out}
 
 

@@ -9,12 +9,24 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import warnings
 from typing import Mapping, Sequence
 
 # The console line shows these, in this order, when present.
 CONSOLE_KEYS = ("reward/mean", "acc/mean", "val/acc", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
                 "actor/grad_norm", "rollout/logprob_diff_max", "sampling/num_gen_batches", "timing/step")
+
+
+
+def console_keys(values: dict) -> list[str]:
+    """CONSOLE_KEYS that `values` has; a step validating n > 1 samples per prompt also shows its
+    pass@n and maj@n after val/acc."""
+    top = max((int(k.split("@")[1]) for k in values if re.fullmatch(r"val/(pass|maj)@\d+", k)), default=0)
+    keys = list(CONSOLE_KEYS)
+    keys[keys.index("val/acc") + 1:keys.index("val/acc") + 1] = [f"val/pass@{top}", f"val/maj@{top}"]
+    return [k for k in keys if k in values]
+
 
 # PNG panels: title -> metric keys drawn in it.
 PLOT_PANELS: dict[str, tuple[str, ...]] = {
@@ -57,7 +69,7 @@ class MetricsLogger:
         if "jsonl" in self.loggers:
             with open(self.jsonl_path, "a") as f:
                 f.write(json.dumps({"step": step, **values}) + "\n")
-        shown = " ".join(f"{k}={values[k]:.4g}" for k in CONSOLE_KEYS if k in values)
+        shown = " ".join(f"{k}={values[k]:.4g}" for k in console_keys(values))
         if "console" in self.loggers and shown:  # nothing to show (no validation set at step 0): no line
             print(f"step {step}: {shown}", flush=True)
         if self._tb is not None:

@@ -325,12 +325,14 @@ class RewardWorker:
         self.plane = dataplane.connect(data_plane)
 
     def score(self, partition: str, keys: list[str], ground_truths: list[str], data_sources: list[str],
-              extra_infos: list[dict]) -> tuple[list[float], list[bool], dict]:
+              extra_infos: list[dict], answers: bool = False) -> tuple:
+        """(scores, acc, metrics), and with `answers` the extracted answers (maj@k of validation)."""
         responses = [r["responses"].tolist() for r in self.plane.get(partition, keys, list(read_by(READ_BY_REWARD)))]
         texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
         out = self.reward(texts, ground_truths, [len(r) for r in responses], data_sources=data_sources,
                           extra_infos=extra_infos)
-        return out.score.tolist(), out.acc.tolist(), out.metrics
+        reply = (out.score.tolist(), out.acc.tolist(), out.metrics)
+        return (*reply, list(out.pred)) if answers else reply
 
     def close(self) -> None:
         self.reward.close()

@@ -77,3 +77,33 @@ def group_metrics(answers: Sequence[str], correct: Sequence[bool], seed: int = 0
 
 def maj_method(n: int) -> str:
     return "exact" if all(math.comb(n, k) <= MAJ_EXACT_SUBSETS for k in ks_for(n)) else "bootstrap"
+
+
+def mean_by_source(rows: Sequence[tuple[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """(data_source, one prompt's metrics) rows -> {source and "all": {metric: mean over prompts}}."""
+    table: dict[str, dict[str, list[float]]] = {}
+    for source, metrics in rows:
+        for s in (source, "all"):
+            for k, v in metrics.items():
+                table.setdefault(s, {}).setdefault(k, []).append(v)
+    return {s: {k: sum(vs) / len(vs) for k, vs in cols.items()} for s, cols in table.items()}
+
+
+def validation_metrics(prompts: Sequence[tuple[str, Sequence[str], Sequence[bool]]], seed: int = 0) -> dict:
+    """The training loop's validation at n > 1 samples per prompt: (data_source, answers, correct)
+    per prompt -> ours (`val/acc/mean@n`, `val/pass@k`, `val/maj@k` over all prompts, `/<source>`
+    per source) and verl's (`val-core/<source>/acc/{mean@n, best@n/mean, maj@n/mean}`, the smaller
+    k under `val-aux/`). verl's best@k is a bootstrap of the best of k samples; here it is the
+    unbiased pass@k, the value that bootstrap estimates."""
+    means = mean_by_source([(src, group_metrics(answers, correct, seed)) for src, answers, correct in prompts])
+    out: dict[str, float] = {}
+    for source, metrics in means.items():
+        for name, value in metrics.items():
+            kind, k = name.split("@")
+            ours = f"val/acc/mean@{k}" if kind == "avg" else f"val/{kind}@{k}"
+            out[ours if source == "all" else f"{ours}/{source}"] = value
+            if source != "all":
+                section = "val-core" if all(int(k) >= int(m.split("@")[1]) for m in metrics) else "val-aux"
+                verl = {"avg": f"mean@{k}", "pass": f"best@{k}/mean", "maj": f"maj@{k}/mean"}[kind]
+                out[f"{section}/{source}/acc/{verl}"] = value
+    return out

@@ -41,6 +41,7 @@ class ScoredGroup:
     rollout: StoredGroup
     scores: torch.Tensor  # [n] shaped reward
     acc: torch.Tensor  # [n] bool
+    answers: list[str] = field(default_factory=list)  # [n] extracted answers (RewardScorer(answers=True))
 
 
 ScoreFn = Callable[[Sequence[PromptItem], Sequence[StoredGroup]], list[Group[ScoredGroup]]]
@@ -258,8 +259,8 @@ class RewardScorer:
     also reports the bytes the manager received from the reward worker (`driver/reward_bytes`).
     """
 
-    def __init__(self, reward, metric: str):
-        self.reward, self.metric = reward, metric
+    def __init__(self, reward, metric: str, answers: bool = False):
+        self.reward, self.metric, self.answers = reward, metric, answers
         self._metrics: list[dict] = []
         self._sums = [0.0, 0.0, 0]  # score, acc, responses: the sampled reward before filtering
         self._bytes = 0
@@ -272,7 +273,7 @@ class RewardScorer:
             raise ValueError(f"groups of one score call come from one partition, got {sorted(partitions)}")
         reply = ray.get(self.reward.score.remote(
             partitions.pop(), keys, [it.ground_truth for it in per_response],
-            [it.data_source for it in per_response], [it.extra_info for it in per_response]))
+            [it.data_source for it in per_response], [it.extra_info for it in per_response], self.answers))
         self._bytes += received(reply)
         scores, acc, metrics = torch.tensor(reply[0], dtype=torch.float32), torch.tensor(reply[1]), reply[2]
         self._metrics.append(metrics)
@@ -283,7 +284,8 @@ class RewardScorer:
             sl = slice(start, start + len(group.keys))
             start = sl.stop
             values = acc[sl].float() if self.metric == "acc" else scores[sl]
-            out.append(Group(values.tolist(), ScoredGroup(item, group, scores[sl], acc[sl])))
+            answers = reply[3][sl] if self.answers else []
+            out.append(Group(values.tolist(), ScoredGroup(item, group, scores[sl], acc[sl], answers)))
         return out
 
     def pop_metrics(self) -> dict[str, float]:

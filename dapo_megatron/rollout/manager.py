@@ -21,6 +21,7 @@ from dapo_megatron.data.dataset import PromptDataset
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.dataplane import StepBatch
 from dapo_megatron.logs import redirect_output
+from dapo_megatron.reward.metrics import validation_metrics
 from dapo_megatron.roles import as_role
 from dapo_megatron.rollout.collect import (Collected, RewardScorer, Store, collect_early_stop, collect_sync,
                                            groups_to_batch)
@@ -77,7 +78,8 @@ class RolloutManager:
         return {**collected.metrics, **self.scorer.pop_metrics(), "data/prompts_consumed": float(self.prompts.consumed)}
 
     def evaluate(self, step: int) -> dict:
-        """Greedy (rollout.val_kwargs) answers on the validation set: val/acc overall and per source."""
+        """rollout.val_kwargs answers on the validation set: val/acc overall and per source; with
+        val_kwargs.n > 1 also mean@n, pass@k and maj@k (reward/metrics.validation_metrics)."""
         if self.val_data is None:
             return {}
         cfg, t0 = self.cfg, time.perf_counter()
@@ -85,20 +87,25 @@ class RolloutManager:
         sampling = self._sampling(Sampling.validation(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed))
         shards = [items[i::len(self.engines)] for i in range(len(self.engines))]
         store = Store(f"val{step}", self.plane)
-        scorer = RewardScorer(self.reward, "acc")
+        scorer = RewardScorer(self.reward, "acc", answers=sampling.n > 1)
         per_source: dict[str, list[float]] = {}
+        prompts = []  # (data_source, answers, correct) per prompt: pass@k / maj@k at n > 1
         try:
             results = as_role("rollout engine", lambda: ray.get(
                 [e.generate.remote([it.prompt for it in s], sampling, store.partition)
                  for e, s in zip(self.engines, shards)]))
             for shard, groups in zip(shards, results):
                 for g in scorer(shard, groups) if shard else []:
-                    per_source.setdefault(g.payload.item.data_source, []).extend(g.payload.acc.float().tolist())
+                    p = g.payload
+                    per_source.setdefault(p.item.data_source, []).extend(p.acc.float().tolist())
+                    prompts.append((p.item.data_source, p.answers, p.acc.tolist()))
         finally:
             store.clear()
         values = [v for vs in per_source.values() for v in vs]
         out = {"val/acc": sum(values) / max(len(values), 1), "timing/val": time.perf_counter() - t0}
         out.update({f"val/acc/{src}": sum(vs) / len(vs) for src, vs in per_source.items()})
+        if sampling.n > 1:
+            out.update(validation_metrics(prompts, seed=cfg.rollout.seed))
         return out
 
     def state_dict(self) -> dict:

@@ -21,8 +21,11 @@ def context():
     return ctx
 
 
-def start() -> None:
+def start(log_path: str = "") -> None:
     """Start the server now: it imports in the background while the caller goes on (the convert
-    CLI reads and checks its input meanwhile); the first rank started waits for it."""
+    CLI reads and checks its input meanwhile); the first rank started waits for it. With
+    `log_path`, a server started here writes its stderr (the imports' warnings) there."""
+    from dapo_megatron.logs import stderr_to
     context()
-    multiprocessing.forkserver.ensure_running()
+    with stderr_to(log_path):
+        multiprocessing.forkserver.ensure_running()

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from dapo_megatron.config.schema import ParallelConfig
 from dapo_megatron.device import Device, get_device
+from dapo_megatron.logs import redirect_output, stderr_to
 from dapo_megatron.parallel import Coords, coords, free_port
 
 
@@ -88,9 +89,10 @@ class WorkerError(RuntimeError):
         self.details = details
 
 
-def _worker(rank: int, world: int, port: int, env: dict, fn, args, queue) -> None:
+def _worker(rank: int, world: int, port: int, env: dict, fn, args, queue, log_path: str) -> None:
     # A forkserver child inherits the server's environment, not the caller's: restore the
     # caller's as of run_workers (tests and launchers set variables right before).
+    redirect_output(log_path, console_fd=1)  # the server's stderr may be a log already
     os.environ.clear()
     os.environ.update(env, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -103,19 +105,21 @@ def _worker(rank: int, world: int, port: int, env: dict, fn, args, queue) -> Non
         destroy_parallel()
 
 
-def run_workers(fn, world_size: int, *args, timeout_s: float = 600.0) -> list:
+def run_workers(fn, world_size: int, *args, timeout_s: float = 600.0, log_path: str = "") -> list:
     """Run `fn(*args)` in `world_size` new processes (RANK/WORLD_SIZE/MASTER_* set for
     `init_parallel`); returns their results by rank. On a failure the other workers, which may
     be blocked in a collective, are killed and WorkerError carries the lowest failing rank's
-    message. A run longer than `timeout_s` is killed and raises TimeoutError.
+    message. A run longer than `timeout_s` is killed and raises TimeoutError. With `log_path`
+    the workers' library output goes there (`logs.console()` still reaches the user).
     """
     from dapo_megatron.train.forkserver import context
     ctx = context()
     queue, port, env = ctx.Queue(), free_port(), dict(os.environ)
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, env, fn, args, queue))
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, env, fn, args, queue, log_path))
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with stderr_to(log_path):  # a server started by the first rank writes there too
+        for p in procs:
+            p.start()
     results, failures = {}, {}
     deadline = time.monotonic() + timeout_s
     try:

@@ -12,6 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.logs import console
 from dapo_megatron.parallel import coords
 from dapo_megatron.weights import name_map, reshape
 from dapo_megatron.weights.hf_io import CheckpointError, HFCheckpoint
@@ -209,7 +210,7 @@ def _load_local(model_chunks, hf_dir: str, progress: bool, adopt: bool) -> None:
         for chunk in model_chunks:
             geo = chunk_geometry(chunk)
             maps = list(param_maps(chunk, geo))
-            for pm, param in tqdm(maps, desc="load", unit="param", disable=not show):
+            for pm, param in tqdm(maps, desc="load", unit="param", disable=not show, file=console()):
                 tensor = _READERS[pm.kind](source, pm, param, geo)
                 if tensor.shape != param.shape:
                     raise CheckpointError(f"{pm.mcore_name}: built {list(tensor.shape)} from "

@@ -11,7 +11,7 @@ import pytest
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_tools_quickstart_two_steps_early_stop(tool_assets, tmp_path):
+def test_tools_quickstart_two_steps_early_stop(tool_assets, tmp_path, capsys):
     from dapo_megatron.main import main
     out = tmp_path / "run"
     overrides = {
@@ -41,3 +41,11 @@ def test_tools_quickstart_two_steps_early_stop(tool_assets, tmp_path):
         assert 0.9 < r["actor/is_weight_mean"] <= 2.0 and r["actor/grad_norm"] > 0
     assert (out / "checkpoints" / "step_2").is_dir()
     assert any("val/" in k for r in rows for k in r)
+    # Its validation samples 2 answers per prompt (val_kwargs.n): mean@2, pass@k, maj@k under our
+    # names and verl's, and the validating step's console line shows pass@2 and maj@2.
+    val = [r for r in rows if "val/acc" in r]
+    assert val and all({"val/acc/mean@2", "val/pass@1", "val/pass@2", "val/maj@2"} <= set(r) for r in val), val
+    assert all(r["val/pass@1"] <= r["val/pass@2"] for r in val)
+    assert any(k.startswith("val-core/") and k.endswith("/acc/best@2/mean") for k in val[-1])
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("step 2:"))
+    assert "val/pass@2=" in line and "val/maj@2=" in line, line

@@ -70,3 +70,24 @@ def test_many_samples_use_a_seeded_bootstrap():
     finally:
         m.MAJ_EXACT_SUBSETS = saved
     assert method == "bootstrap" and abs(boot - exact) < 0.05
+
+
+def test_validation_metrics_names_ours_and_verls_with_values_from_first_principles():
+    """At k = n the formulas reduce to what a reader checks by hand: mean@n the share correct,
+    pass@n whether any sample is, maj@n whether the most frequent answer (ties: first seen) is."""
+    from dapo_megatron.reward.metrics import validation_metrics
+    prompts = [("math", ["1", "2", "2", "3"], [True, False, False, False]),  # majority "2": wrong
+               ("math", ["5", "5", "4", "5"], [True, True, False, True]),
+               ("geo", ["a", "b", "a", "b"], [False, True, False, True]),  # tie: "a" first, wrong
+               ("geo", ["x", "x", "x", "x"], [False] * 4)]
+    out = validation_metrics(prompts)
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    correct = [c for _, _, c in prompts]
+    assert out["val/acc/mean@4"] == pytest.approx(mean([mean(c) for c in correct]))
+    assert out["val/pass@4"] == pytest.approx(mean([any(c) for c in correct])) == 0.75
+    assert out["val/maj@4"] == pytest.approx(0.25)  # only the second prompt's majority is right
+    assert out["val/pass@4/geo"] == 0.5 and out["val/maj@4/math"] == 0.5
+    assert out["val-core/math/acc/mean@4"] == pytest.approx(0.5)
+    assert out["val-core/math/acc/best@4/mean"] == 1.0 and out["val-core/geo/acc/maj@4/mean"] == 0.0
+    assert "val-aux/geo/acc/best@2/mean" in out and "val-core/geo/acc/best@2/mean" not in out
+    assert out["val/pass@1"] == pytest.approx(out["val/acc/mean@4"])  # pass@1 is the mean

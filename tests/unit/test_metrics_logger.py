@@ -11,14 +11,16 @@ def test_jsonl_console_tensorboard_and_png(tmp_path, capsys):
     log = MetricsLogger(str(tmp_path), ["console", "jsonl", "tensorboard"])
     log.log(0, {})  # step 0 without a validation set: a jsonl row, no empty console line
     for step in range(1, 4):
+        sampled = {"val/pass@1": 0.25, "val/pass@2": 0.4, "val/maj@2": 0.3, "val/maj@1": 0.25}
         log.log(step, {"reward/mean": 0.1 * step, "acc/mean": 0.5, "timing/step": 1.5, "text": "skip me",
-                       "bad": float("nan"), **({"val/acc": 0.25} if step == 3 else {})})
+                       "bad": float("nan"), **({"val/acc": 0.25, **sampled} if step == 3 else {})})
     rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[3]["reward/mean"] == pytest.approx(0.3) and "text" not in rows[1] and "bad" not in rows[1]
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 3 and out[0].startswith("step 1:") and "reward/mean=0.1" in out[0]
     assert "val/acc=0.25" in out[2] and "val/acc" not in out[0]  # a validating step shows it
+    assert "val/acc=0.25 val/pass@2=0.4 val/maj@2=0.3 " in out[2] and "@1" not in out[2]  # n > 1: pass@n, maj@n
     png = log.plot()
     log.close()
     assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n" and os.path.getsize(png) > 10_000
