@@ -98,9 +98,9 @@ class TrainWorker:
 
     def step_logprobs(self, step: dataplane.StepBatch, model: str = "actor") -> Optional[dict]:
         """Log-probs of this DP rank's rows of the step (those it updates on) by `model` (actor: `old_logprobs`, and the
-        recorded routes when the actor records them; ref: `ref_logprobs`), written to the data
-        plane by the rank that reports them (TP rank 0 of the last stage); its TP peers, which
-        hold the same values, keep them for their update too. Returns, on the reporting ranks,
+        recorded routes when the actor records them; ref: `ref_logprobs`), kept for this rank's
+        update by every TP rank of the last stage (they hold the same values) and, under PP or
+        CP, written to the data plane by TP rank 0 for the ranks that computed none. Returns, on the reporting ranks,
         the columns written and metrics: the rollout-vs-trainer gap over these rows (actor), with
         their token count."""
         from dapo_megatron.algo import rollout_logprob_metrics
@@ -122,7 +122,9 @@ class TrainWorker:
             for row, routes in zip(out_rows, unpad_positions(values["routed_experts"], batch.sequence_lengths)):
                 row["routed_experts"] = routes
         keys = [step.keys[i] for i in rows]
-        if not c.tp_rank:
+        # Into the data plane only for the ranks of this DP share that got none (earlier pipeline
+        # stages, other CP ranks): at PP 1 and CP 1 every rank keeps its own and nobody reads them.
+        if not c.tp_rank and (c.pp > 1 or c.cp > 1):
             self.plane.put(step.partition, keys, out_rows, writer=name)
         for key, row in zip(keys, out_rows):  # this rank's update reads these here, not back
             self.rows.setdefault(key, {}).update(row)
