@@ -9,6 +9,7 @@ Its state (prompt position, sampler counters) goes into every checkpoint through
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Optional
 
@@ -47,7 +48,7 @@ class RolloutManager:
         self.collections = 0  # names each collection's data-plane partition
 
     def _sampling(self, sampling: Sampling) -> Sampling:
-        return Sampling(**{**vars(sampling), "stop_token_ids": self.stop_token_ids})
+        return dataclasses.replace(sampling, stop_token_ids=self.stop_token_ids)
 
     def next_batch(self, step: int) -> tuple[Optional[StepBatch], dict]:
         """The batch of training step `step` (1-based) and its rollout metrics; (None, {}) when
@@ -60,12 +61,12 @@ class RolloutManager:
                                                        seed=cfg.rollout.seed + step - 1))
         args = (self.engines, self.train_data, self.prompts, self.sampler, self.scorer, sampling,
                 cfg.data.gen_batch_size, store)
+        if cfg.algorithm.filter_groups.mode == "early_stop":
+            collect, args = collect_early_stop, (*args, cfg.rollout.max_concurrent_per_engine)
+        else:
+            collect = collect_sync
         try:
-            if cfg.algorithm.filter_groups.mode == "early_stop":
-                collected = as_role("rollout engine", collect_early_stop, *args,
-                                    cfg.rollout.max_concurrent_per_engine)
-            else:
-                collected = as_role("rollout engine", collect_sync, *args)
+            collected = as_role("rollout engine", collect, *args)
         except BaseException:
             store.clear()
             raise
