@@ -58,7 +58,7 @@ def main() -> None:
             finally:
                 ray.shutdown()
             steps = [json.loads(line) for line in open(f"{out}/metrics.jsonl")][1:]  # the first step warms up
-        med = {k: statistics.median(s[k] for s in steps) for k in
+        med = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in  # no old_logprob: on-policy
                ("timing/step", "timing/gen", "timing/old_logprob", "timing/update", "timing/sync", "driver/cpu_s",
                 "driver/bytes_per_response", "sampling/generated_tokens", "response_length/mean",
                 "data_plane/bytes_get", "data_plane/bytes_get_max")}

@@ -26,7 +26,7 @@ def _run(tree: str, out: str, steps: int) -> dict[str, float]:
                     "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}",
                     "trainer.resume_mode=disable"], cwd=tree, check=True, capture_output=True, timeout=1800)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][2:]  # warm-up steps
-    return {k: statistics.median(r[k] for r in rows) for k in PHASES}
+    return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in PHASES}  # no old_logprob: on-policy
 
 
 def main() -> None:

@@ -104,6 +104,14 @@ class ActorConfig:
     # MoE routing replay (train/routing.py): off | actor (R2: the update replays the routes of
     # the old-log-prob pass) | rollout (R3: old log-probs and the update replay the engine's routes)
     router_replay: str = "off"
+    # auto: when the update is exactly on-policy (one epoch over one mini-batch) the old log-probs
+    # are its own forward, detached, and no separate pass runs; recompute: always the pass.
+    old_logprobs: str = "auto"
+
+    def reuses_update_forward(self, n: int, responses: int) -> bool:
+        """Whether a step of `responses` (rollout.n = `n`) skips the old-log-prob pass: before the
+        only optimizer step, the policy being trained is the proximal one, so ratio = 1 exactly."""
+        return self.old_logprobs == "auto" and self.ppo_epochs == 1 and responses <= self.ppo_mini_batch_size * n
 
 
 @dataclass

@@ -35,6 +35,7 @@ CHOICES: dict[str, tuple] = {
     "actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
     "actor.recompute_granularity": ("", "full", "selective"),
     "actor.router_replay": ("off", "actor", "rollout"),
+    "actor.old_logprobs": ("auto", "recompute"),
     "model.dtype": tuple(DTYPES),
     "data.truncation": ("filter", "left", "right", "error"),
     "algorithm.adv_estimator": ("grpo",),

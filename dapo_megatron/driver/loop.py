@@ -79,9 +79,11 @@ def train_step(run: Run) -> dict:
         # one advantage per response, every token's (the loss broadcasts it over T)
         step.advantages = compute_grpo_advantages(torch.tensor(step.scores), torch.tensor(step.group),
                                                   norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo).tolist()
-        with run.timed("old_logprob"):
-            written, lp_metrics = ctx.train.step_logprobs(step, "actor")
-        step.fields += tuple(written)  # old_logprobs, and the routes when the actor records them
+        lp_metrics = {}
+        if not cfg.actor.reuses_update_forward(cfg.rollout.n, len(step)):  # else the update's forward is it
+            with run.timed("old_logprob"):
+                written, lp_metrics = ctx.train.step_logprobs(step, "actor")
+            step.fields += tuple(written)  # old_logprobs, and the routes when the actor records them
         if cfg.actor.use_kl_loss:
             with run.timed("ref"):
                 written, _ = ctx.train.step_logprobs(step, "ref")

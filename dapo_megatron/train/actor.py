@@ -6,6 +6,10 @@
     batch.old_logprobs = assemble(rows of every rank)["logprobs"]
     metrics = actor.update(batch)                # needs old_logprobs, advantages (+ ref_logprobs)
 
+With one epoch over one mini-batch (`ActorConfig.reuses_update_forward`) the update may take no
+old_logprobs: the policy it trains is, before its only optimizer step, the old one, so its own
+forward (detached) is the old log-probs and the separate pass is pure cost.
+
 Every rank is called with the same full batch and each DP rank trains on its share (see
 `microbatch.split_for_dp`), or (`local=True` / `minis`) with only the rows of its share, read
 from the data plane. Log-probs come back as each DP rank's rows (`logprobs.Rows`); metrics are
@@ -18,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.algo import Correction, agg_loss, compute_policy_loss, kl_penalty
+from dapo_megatron.algo import Correction, agg_loss, compute_policy_loss, kl_penalty, rollout_logprob_metrics
 from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.config.schema import ActorConfig
 from dapo_megatron.device import get_device
@@ -36,7 +40,11 @@ from dapo_megatron.train.optim import build_optimizer, build_scheduler, wrap_ddp
 _SUMMED = ("pg_loss", "entropy", "kl_loss")
 _CORRECTION = ("is_weight_mean", "is_masked_frac", "rejected_frac")  # algo/correction.py's
 _TOKEN_WEIGHTED = ("pg_clipfrac", "pg_clipfrac_lower", "pg_clipfrac_dual", "ppo_kl") + _CORRECTION
-_KEYS = _SUMMED + _TOKEN_WEIGHTED + ("tokens",)
+# The rollout-vs-trainer gap (algo.rollout_logprob_metrics), measured by the update itself when
+# no old-log-prob pass ran (`ActorConfig.reuses_update_forward`): means by token, the max by max.
+_GAP = ("rollout/logprob_diff_mean", "rollout/kl")
+_KEYS = _SUMMED + _TOKEN_WEIGHTED + _GAP + ("tokens",)
+_MAXED = ("rollout/logprob_diff_max",)
 
 
 def recompute_overrides(granularity: str) -> dict:
@@ -129,8 +137,8 @@ class Actor:
         Without `minis` every rank holds the whole batch; with them `batch` holds this rank's rows
         only and `minis` lists, per mini-batch, its rows in `batch` and the global normalisers
         (`minibatches`, mapped to `batch`). `tokens`: the whole batch's, for actor/tokens_per_s."""
-        if batch.old_logprobs is None or batch.advantages is None:
-            raise ValueError("Actor.update needs batch.old_logprobs (from compute_logprobs) and batch.advantages")
+        if batch.advantages is None:
+            raise ValueError("Actor.update needs batch.advantages")
         if self.cfg.use_kl_loss and batch.ref_logprobs is None:
             raise ValueError("actor.use_kl_loss is on but batch.ref_logprobs is None; compute them with the "
                              "reference model or set actor.use_kl_loss=false")
@@ -139,6 +147,10 @@ class Actor:
         self.scheduler.step(1)  # warm-up counts RL steps; step 1 trains with lr / warmup, not 0
         if minis is None:
             minis = self.minibatches(batch.sequence_lengths, batch.loss_mask.bool().sum(1).tolist())
+        if batch.old_logprobs is None and (self.cfg.ppo_epochs > 1 or len(minis) > 1 or self.cfg.old_logprobs != "auto"):
+            raise ValueError(f"Actor.update needs batch.old_logprobs (from compute_logprobs): with {len(minis)} "
+                             f"mini-batches x {self.cfg.ppo_epochs} epochs (actor.old_logprobs={self.cfg.old_logprobs}) "
+                             "the update's own forward is not the old policy")
         steps = []
         for _ in range(self.cfg.ppo_epochs):
             for rows, counts in minis:
@@ -174,6 +186,11 @@ class Actor:
         out["actor/grad_norm"] = float(grad_norm)
         if agree is not None:
             out["actor/router_agreement"] = agree
+        if batch.old_logprobs is None:  # no old-log-prob pass ran: what it measured, this forward did
+            if batch.rollout_logprobs is not None:
+                out.update({k: totals[k] / max(totals["tokens"], 1.0) for k in _GAP}, **{k: totals[k] for k in _MAXED})
+            if agree is not None:
+                out["rollout/router_agreement"] = agree
         return out
 
     def _loss(self, counts: tuple[int, int], micro: mb.MicroBatch, output: torch.Tensor):
@@ -186,16 +203,24 @@ class Actor:
                                             entropy_grad=cfg.entropy_coeff != 0)
         logprobs, entropy = lp.response_aligned(tok_lp, micro), lp.response_aligned(tok_ent, micro)  # [b, T]
         glob = dict(global_token_count=counts[0], global_seq_count=counts[1])
-        rollout = micro.rollout_logprobs
+        rollout = None if micro.rollout_logprobs is None else micro.rollout_logprobs.to(dev)
+        ntok = mask.sum()
+        data = {}
+        if micro.old_logprobs is not None:
+            old = micro.old_logprobs.to(dev)
+        else:  # exactly on-policy (update's check): the weights scoring now are the proximal policy
+            old = logprobs.detach()
+            if rollout is not None:
+                gap = rollout_logprob_metrics(rollout, old, mask)
+                data.update({k: float(gap[k]) * float(ntok) for k in _GAP}, **{k: float(gap[k]) for k in _MAXED})
         pg_loss, m = compute_policy_loss(
-            micro.old_logprobs.to(dev), logprobs, micro.advantages.to(dev), mask,  # advantages [b]
+            old, logprobs, micro.advantages.to(dev), mask,  # advantages [b]
             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode, policy_loss=cfg.policy_loss,
-            rollout_logprobs=None if rollout is None else rollout.to(dev), correction=self.correction, **glob)
+            rollout_logprobs=rollout, correction=self.correction, **glob)
         ent_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **glob)
         loss = pg_loss - cfg.entropy_coeff * ent_loss
-        ntok = mask.sum()
-        data = {k: float(m[k]) * float(ntok) for k in _TOKEN_WEIGHTED if k in m}  # m is detached
+        data.update({k: float(m[k]) * float(ntok) for k in _TOKEN_WEIGHTED if k in m})  # m is detached
         data.update(pg_loss=float(pg_loss.detach()), entropy=float(ent_loss.detach()), tokens=float(ntok))
         if cfg.use_kl_loss:
             kl = kl_penalty(logprobs, micro.ref_logprobs.to(dev), cfg.kl_loss_type)  # [b, T]
@@ -205,12 +230,16 @@ class Actor:
         return loss, ntok.to(torch.int), data
 
     def _reduce_metrics(self, results: list) -> dict:
-        """Sum micro-batch metrics over this rank and DP; the last pipeline stage broadcasts."""
-        vec = torch.tensor([sum(r.get(k, 0.0) for r in results) for k in _KEYS], dtype=torch.float64)
+        """Sum micro-batch metrics over this rank and DP (`_MAXED`: the max); the last pipeline
+        stage broadcasts."""
         dev = next(self.model[0].parameters()).device
-        vec = vec.to(dev)
-        dist.all_reduce(vec, group=group("dp"))
+        sums = torch.tensor([sum(r.get(k, 0.0) for r in results) for k in _KEYS], dtype=torch.float64, device=dev)
+        maxima = torch.tensor([max((r.get(k, 0.0) for r in results), default=0.0) for k in _MAXED],
+                              dtype=torch.float64, device=dev)
+        dist.all_reduce(sums, group=group("dp"))
+        dist.all_reduce(maxima, op=dist.ReduceOp.MAX, group=group("dp"))
+        vec = torch.cat([sums, maxima])
         c = coords()
         if c.pp > 1:
             dist.broadcast(vec, src=c.pp_last_rank, group=group("pp"))
-        return dict(zip(_KEYS, vec.cpu().tolist()))
+        return dict(zip(_KEYS + _MAXED, vec.cpu().tolist()))

@@ -90,18 +90,51 @@ def logprob_job(hf_dirs: list[str], parallel: dict, batch: RolloutBatch, max_tok
 
 def run_updates(hf_dir: str, parallel: dict, batch: RolloutBatch, over: dict, steps: int = 1) -> dict:
     """`steps` updates from the HF weights; returns per-step metrics, the new log-probs, the
-    exported (HF-named) weights of this rank before and after, and the lr."""
+    exported (HF-named) weights of this rank before and after, and the lr.
+
+    `over["old"]`: the old log-probs are the pass's plus noise (`perturbed`, the clips engage),
+    the pass's exactly (`exact`), or none (`update`: the update's own forward); with the last two
+    the batch carries engine log-probs (the pass's + noise) and `gap` is their expected metrics."""
+    from dapo_megatron.algo import rollout_logprob_metrics
     from dapo_megatron.train.actor import Actor
-    config = actor_config(parallel, **dict(over))
+    over = dict(over)
+    old = over.pop("old", "perturbed")
+    config = actor_config(parallel, **over)
     actor = Actor(config, hf_dir, n=2)
     before = export_weights(actor.chunks)
-    batch.old_logprobs = perturbed_old(everywhere(actor.compute_logprobs(batch))["logprobs"])
-    batch.ref_logprobs = batch.old_logprobs - 0.05
+    batch = batch.select(list(range(len(batch))))  # a copy: the module's batch stays as it is
+    current = everywhere(actor.compute_logprobs(batch))["logprobs"]
+    gap = None
+    if old == "perturbed":
+        batch.old_logprobs = perturbed_old(current)
+        batch.ref_logprobs = batch.old_logprobs - 0.05
+    else:
+        batch.rollout_logprobs = (perturbed_old(current, seed=7) - current) * 0.05 * batch.loss_mask + current
+        gap = {k: float(v) for k, v in rollout_logprob_metrics(batch.rollout_logprobs, current, batch.loss_mask).items()}
+        batch.old_logprobs = current if old == "exact" else None
+        batch.ref_logprobs = current - 0.05
     metrics = [actor.update(batch) for _ in range(steps)]
     return {"metrics": metrics, "logprobs": everywhere(actor.compute_logprobs(batch))["logprobs"],
             "before": before, "weights": export_weights(actor.chunks), "lr": config.optim.lr,
             "state": state_bytes(actor), "distributed_optimizer": config.optim.use_distributed_optimizer,
-            "hf_dir": hf_dir}
+            "hf_dir": hf_dir, "gap": gap}
+
+
+def refusals(hf_dir: str, parallel: dict, batch: RolloutBatch) -> list[str]:
+    """The errors of updates without old log-probs where the update is not exactly on-policy:
+    two mini-batches, two epochs, `actor.old_logprobs=recompute`."""
+    from dapo_megatron.train.actor import Actor
+    out = []
+    for over in (dict(ppo_mini_batch_size=2), dict(ppo_epochs=2), dict(old_logprobs="recompute")):
+        actor = Actor(actor_config(parallel, **over), hf_dir, n=2)
+        batch = batch.select(list(range(len(batch))))
+        batch.ref_logprobs = everywhere(actor.compute_logprobs(batch))["logprobs"]
+        try:
+            actor.update(batch)
+            out.append("")
+        except ValueError as e:
+            out.append(str(e))
+    return out
 
 
 def state_bytes(actor) -> dict:
@@ -133,14 +166,15 @@ def assert_same_weights(got: dict, want: dict, tol: float, what: str) -> None:
 
 
 def layout_job(hf_dirs: list[str], parallel: dict, batch: RolloutBatch, max_tokens: int,
-               update_dir: str | None, updates: list[dict]) -> dict:
+               update_dir: str | None, updates: list[dict], refuse: bool = False) -> dict:
     """Everything one layout checks: log-probs of each model, then one update per entry of
-    `updates` (actor overrides) on `update_dir`."""
+    `updates` (actor overrides) on `update_dir`, then (`refuse`) the `refusals`."""
     from dapo_megatron.train.parallel import init_parallel
     init_parallel(ParallelConfig(**parallel))
     out = {"logprobs": logprob_job(hf_dirs, parallel, batch, max_tokens, init=False)}
     # an update may name its own model (`hf_dir`): the plan's state check on other shapes
     out["updates"] = [run_updates(over.pop("hf_dir", update_dir), parallel, batch, over) for over in map(dict, updates)]
+    out["refusals"] = refusals(update_dir, parallel, batch) if refuse else []
     return pack(out)
 
 

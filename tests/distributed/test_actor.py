@@ -17,6 +17,7 @@ pytestmark = pytest.mark.distributed
 LAYOUT_TOL = 1e-5  # fp32: Megatron layout vs TP1
 HF_TOL = 1e-4  # fp32: Megatron vs HF transformers
 MAX_TOKENS = 64  # several micro-batches per DP rank for the test batch
+ON_POLICY = ("tp1", "ep2")  # layouts that check the update without an old-log-prob pass
 # layout -> (parallel, world size, models for log-probs, train the MoE?)
 LAYOUTS = {
     "tp1": (dict(), 1, ["moe", "qwen2_tied"], True),
@@ -57,8 +58,10 @@ def results(tiny_hf_models, batch):
             if layout == "tp1":  # 1 vs 4 micro-batches
                 updates += [dict(max_tokens_per_microbatch=1 << 14),
                             dict(max_tokens_per_microbatch=four_bin_budget(batch))]
+            if layout in ON_POLICY:  # the two-pass update, then the update as its own old policy
+                updates += [dict(max_tokens_per_microbatch=MAX_TOKENS, old=old) for old in ("exact", "update")]
             blobs = run_workers(actor_jobs.layout_job, world, [tiny_hf_models[m] for m in models], parallel,
-                                batch, MAX_TOKENS, tiny_hf_models["moe"], updates, timeout_s=300)
+                                batch, MAX_TOKENS, tiny_hf_models["moe"], updates, layout == "tp1", timeout_s=300)
             cache[layout] = [actor_jobs.unpack(b) for b in blobs]
         return cache[layout]
     return get
@@ -147,9 +150,35 @@ def test_state_bytes_are_the_memory_plans(layout, results):
 
 
 def test_update_one_vs_four_microbatches(results):
-    base, one, four = results("tp1")[0]["updates"]
+    base, one, four = results("tp1")[0]["updates"][:3]
     _assert_same_update(four, one, "4 vs 1 micro-batches")
     _assert_same_update(base, one, f"budget {MAX_TOKENS} vs 1 micro-batch")
     m = one["metrics"][0]
     assert m["actor/pg_clipfrac"] + m["actor/pg_clipfrac_lower"] > 0  # the clips are exercised
     assert m["actor/grad_norm"] > 0 and m["actor/kl_loss"] > 0
+
+
+@pytest.mark.parametrize("layout", ON_POLICY)
+def test_on_policy_update_is_the_two_pass_update(layout, results):
+    """One mini-batch, one epoch: the update without old log-probs (its own forward, detached)
+    moves the weights as the update after an old-log-prob pass does, to 1e-6, and measures the
+    engine-vs-trainer gap that pass would have (rollout/*)."""
+    for rank, res in enumerate(results(layout)):
+        exact, shortcut = res["updates"][-2:]
+        actor_jobs.assert_same_weights(shortcut, exact, 1e-6, f"{layout} rank {rank}")
+        assert _maxdiff(shortcut["logprobs"], exact["logprobs"]) <= 1e-6
+        for key, value in exact["metrics"][0].items():
+            if key != "actor/tokens_per_s":
+                assert shortcut["metrics"][0][key] == pytest.approx(value, abs=1e-6), key
+        gap = {k: shortcut["metrics"][0][k] for k in exact["gap"]}
+        assert gap == pytest.approx(exact["gap"], abs=1e-6) and gap["rollout/logprob_diff_max"] > 1e-3
+        assert "rollout/logprob_diff_max" not in exact["metrics"][0]  # the pass measures it there
+
+
+def test_update_without_old_logprobs_is_refused_off_policy(results):
+    """Two mini-batches (the second trains a policy one step on), two epochs, or
+    actor.old_logprobs=recompute: no update without the pass's old log-probs."""
+    errors = results("tp1")[0]["refusals"]
+    assert len(errors) == 3 and all("needs batch.old_logprobs" in e for e in errors), errors
+    assert "2 mini-batches x 1 epochs" in errors[0] and "1 mini-batches x 2 epochs" in errors[1]
+    assert "actor.old_logprobs=recompute" in errors[2]

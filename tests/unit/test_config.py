@@ -74,6 +74,19 @@ def test_quickstart_values_and_interpolation():
     assert cfg.trainer.default_local_dir == "outputs/dapo-megatron/quickstart"
 
 
+def test_old_logprob_pass_is_skipped_only_exactly_on_policy():
+    """The quickstart's step is one mini-batch, one epoch: no old-log-prob pass. A second
+    mini-batch, a second epoch or actor.old_logprobs=recompute bring it back."""
+    actor, n = load_config("quickstart").actor, 8
+    batch = 16 * n
+    assert actor.reuses_update_forward(n, batch)
+    assert not actor.reuses_update_forward(n, batch + 1)  # a second mini-batch
+    assert not load_config("quickstart", ["actor.ppo_epochs=2"]).actor.reuses_update_forward(n, batch)
+    assert not load_config("quickstart", ["actor.old_logprobs=recompute"]).actor.reuses_update_forward(n, batch)
+    vl = load_config("quickstart_vl")  # 2 mini-batches of 4 prompts
+    assert not vl.actor.reuses_update_forward(vl.rollout.n, vl.data.train_batch_size * vl.rollout.n)
+
+
 def test_verl_overrides_translate_to_our_keys():
     cfg = load_config("quickstart", [
         "actor_rollout_ref.actor.clip_ratio_high=0.3", "actor_rollout_ref.rollout.n=4",
@@ -158,6 +171,7 @@ RULES = [
     (["actor.rollout_correction.is_threshold=0"], "actor.rollout_correction.is_threshold"),
     (["actor.policy_loss=gspo"], "actor.loss_agg_mode"),  # a sequence-level objective, refused with token-mean
     (["actor.policy_loss=ppo2"], "actor.policy_loss"),
+    (["actor.old_logprobs=skip"], "actor.old_logprobs"),
     (["actor.rollout_correction.rs=seq_mean_k3"], "actor.rollout_correction.rs_threshold"),
     (["actor.rollout_correction.rs=seq_max_k1", "actor.rollout_correction.rs_threshold=2"], "actor.rollout_correction.rs"),
     (["actor.rollout_correction.is_level=token", "actor.rollout_correction.is_mode=mask",
