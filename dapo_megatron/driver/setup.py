@@ -15,7 +15,6 @@ from dapo_megatron.config import ConfigError, DapoConfig, check_model
 from dapo_megatron.config.schema import DataConfig, SyncConfig
 from dapo_megatron.data.dataset import PromptDataset
 from dapo_megatron.driver.placement import Placement, init_ray, place
-from dapo_megatron.driver.workers import RewardWorker
 from dapo_megatron.logs import log_file
 from dapo_megatron.models import ModelSpec
 from dapo_megatron.roles import as_role
@@ -118,10 +117,8 @@ def prepare(cfg: DapoConfig) -> Context:
     handle = dataplane.Handle(cfg.data_plane.backend)
     placement = place(cfg, model_path, spec, cfg.data.max_prompt_length + cfg.data.max_response_length,
                       tokenizer_path=tokenizer_dir, data_plane=handle)
-    reward = ray.remote(RewardWorker).options(num_cpus=0).remote(
-        _absolute_custom_fn(cfg), tokenizer_dir, handle, log_file(cfg.trainer.default_local_dir, "reward"))
     manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
-        cfg, placement.engines, reward, handle, train_data, val_data, stop_token_ids(tokenizer),
+        _absolute_custom_fn(cfg), placement.engines, tokenizer_dir, handle, train_data, val_data, stop_token_ids(tokenizer),
         log_path=log_file(cfg.trainer.default_local_dir, "rollout-manager"))
     dataplane.start(cfg.data_plane)
     as_role("actor", placement.train.setup, total)

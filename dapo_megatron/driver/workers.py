@@ -6,7 +6,6 @@ every rank: every rank must take part because the calls are collectives. In the 
 (`step_logprobs`, `step_update`) each rank reads the rows of its DP share from the data plane
 and writes its log-probs back there by column; only metrics come back. The whole-batch calls
 (`compute_logprobs`, `update`: tools and checks) join log-probs here (`logprobs.assemble`).
-`RewardWorker` is the reward role: responses from the data plane, scores back.
 """
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from typing import Optional
 import ray
 
 from dapo_megatron import dataplane
-from dapo_megatron.batch import READ_BY_LOGPROBS, READ_BY_REWARD, READ_BY_UPDATE, RolloutBatch, read_by, unpad_positions
+from dapo_megatron.batch import READ_BY_LOGPROBS, READ_BY_UPDATE, RolloutBatch, read_by, unpad_positions
 from dapo_megatron.config.schema import DapoConfig
 from dapo_megatron.logs import redirect_output
 from dapo_megatron.models import ModelSpec
@@ -308,33 +307,3 @@ def _plane_metrics(results: list) -> dict:
         out[key] = sum(values) / len(values)
         out[f"{key}_max"] = max(values)
     return out
-
-
-class RewardWorker:
-    """The reward role: reads the responses of scored groups from the data plane, scores them
-    with the reward manager (its worker pool or service, deadlines and overlong shaping) and
-    returns `scores` / `acc` (a float and a bool per response: StepBatch metadata, batch.FIELDS)
-    with its metrics."""
-
-    def __init__(self, cfg: DapoConfig, tokenizer_path: str, data_plane: dataplane.Handle,
-                 log_path: Optional[str] = None):
-        redirect_output(log_path)
-        from transformers import AutoTokenizer
-
-        from dapo_megatron.reward.manager import RewardManager
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-        self.reward = RewardManager(cfg.reward, cfg.data.max_response_length)
-        self.plane = dataplane.connect(data_plane)
-
-    def score(self, partition: str, keys: list[str], ground_truths: list[str], data_sources: list[str],
-              extra_infos: list[dict], answers: bool = False) -> tuple:
-        """(scores, acc, metrics), and with `answers` the extracted answers (maj@k of validation)."""
-        responses = [r["responses"].tolist() for r in self.plane.get(partition, keys, list(read_by(READ_BY_REWARD)))]
-        texts = self.tokenizer.batch_decode(responses, skip_special_tokens=True)
-        out = self.reward(texts, ground_truths, [len(r) for r in responses], data_sources=data_sources,
-                          extra_infos=extra_infos)
-        reply = (out.score.tolist(), out.acc.tolist(), out.metrics)
-        return (*reply, list(out.pred)) if answers else reply
-
-    def close(self) -> None:
-        self.reward.close()

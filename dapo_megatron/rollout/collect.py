@@ -13,7 +13,7 @@ lengths). `score` turns those into `algo.Group`s whose payload is a `ScoredGroup
 worker reads the responses from the data plane), so tests can swap the reward. Groups the filter
 drops are cleared from the data plane at once, the surplus when the batch is taken; aborted
 groups were never stored. `driver/bytes` counts what the collecting process (the manager: the
-control plane) received from the engines (the scorer counts the reward worker's replies).
+control plane) received from the engines.
 """
 from __future__ import annotations
 
@@ -251,19 +251,18 @@ def groups_to_batch(groups: Sequence[Group[ScoredGroup]], partition: str) -> Ste
 
 
 class RewardScorer:
-    """ScoreFn over the reward worker (a Ray actor, `workers.RewardWorker`): it reads the groups'
-    responses from the data plane and scores them; the manager gets a score and an acc per response.
+    """ScoreFn over the reward worker (`rollout/reward_worker.py`, in the manager's process): it
+    reads the groups' responses from the data plane and scores them; the manager gets a score and
+    an acc per response.
 
     The filter metric is `algorithm.filter_groups.metric`: `acc` uses correctness, the others the
-    shaped score. Reward metrics of all calls in a step are averaged by `pop_metrics()`, which
-    also reports the bytes the manager received from the reward worker (`driver/reward_bytes`).
+    shaped score. Reward metrics of all calls in a step are averaged by `pop_metrics()`.
     """
 
     def __init__(self, reward, metric: str, answers: bool = False):
         self.reward, self.metric, self.answers = reward, metric, answers
         self._metrics: list[dict] = []
         self._sums = [0.0, 0.0, 0]  # score, acc, responses: the sampled reward before filtering
-        self._bytes = 0
 
     def __call__(self, items: Sequence[PromptItem], groups: Sequence[StoredGroup]) -> list[Group]:
         per_response = [it for it, g in zip(items, groups) for _ in g.keys]
@@ -271,10 +270,9 @@ class RewardScorer:
         partitions = {g.partition for g in groups}
         if len(partitions) != 1:
             raise ValueError(f"groups of one score call come from one partition, got {sorted(partitions)}")
-        reply = ray.get(self.reward.score.remote(
-            partitions.pop(), keys, [it.ground_truth for it in per_response],
-            [it.data_source for it in per_response], [it.extra_info for it in per_response], self.answers))
-        self._bytes += received(reply)
+        reply = self.reward.score(partitions.pop(), keys, [it.ground_truth for it in per_response],
+                                  [it.data_source for it in per_response], [it.extra_info for it in per_response],
+                                  self.answers)
         scores, acc, metrics = torch.tensor(reply[0], dtype=torch.float32), torch.tensor(reply[1]), reply[2]
         self._metrics.append(metrics)
         self._sums = [self._sums[0] + scores.sum().item(), self._sums[1] + acc.sum().item(),
@@ -297,5 +295,4 @@ class RewardScorer:
         out = {k: sum(r.get(k, 0.0) for r in rows) / len(rows) for k in keys}
         if count:
             out.update({"reward/mean": score / count, "acc/mean": acc / count})
-        out["driver/reward_bytes"], self._bytes = float(self._bytes), 0
         return out

@@ -57,7 +57,7 @@ class Engine:
         if spec.return_routes:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         t0 = time.perf_counter()
-        self._llm = self._make_llm(spec)
+        self._llm = self._make_llm(spec, self._device.vllm_memory(spec.kv_cache_bytes))
         self.startup_s = time.perf_counter() - t0
         worker = getattr(self._llm.model_executor, "driver_worker", None)
         self._worker = getattr(worker, "worker", None)  # None: workers live in other processes
@@ -80,10 +80,10 @@ class Engine:
         self._thread.start()
 
     @staticmethod
-    def _make_llm(spec: EngineSpec):
+    def _make_llm(spec: EngineSpec, memory: dict):
         from vllm.v1.engine.llm_engine import LLMEngine
         return LLMEngine.from_engine_args(spec.engine_args(
-            worker_extension_cls=_WORKER_EXTENSION, enable_sleep_mode=Engine._platform_sleeps()))
+            worker_extension_cls=_WORKER_EXTENSION, enable_sleep_mode=Engine._platform_sleeps(), **memory))
 
     @staticmethod
     def _platform_sleeps() -> bool:

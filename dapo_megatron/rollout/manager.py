@@ -1,6 +1,7 @@
 """The rollout manager: the producer side of the loop, one Ray actor.
 
-It owns the prompt stream, the engines' submission / poll / abort, the reward worker, dynamic
+It owns the prompt stream, the engines' submission / poll / abort, the reward worker (in this
+process), dynamic
 sampling (both modes, rollout/collect.py) and validation, and hands the trainer a finished
 `StepBatch` (keys + metadata; the tokens are in the data plane) per `next_batch` call. In the
 synchronous loop the trainer asks for each batch after its weight push, so generation and training
@@ -26,25 +27,27 @@ from dapo_megatron.reward.metrics import validation_metrics
 from dapo_megatron.roles import as_role
 from dapo_megatron.rollout.collect import (Collected, RewardScorer, Store, collect_early_stop, collect_sync,
                                            groups_to_batch)
+from dapo_megatron.rollout.reward_worker import RewardWorker
 from dapo_megatron.rollout.types import Sampling
 
 
 class RolloutManager:
-    """engines: engine actor handles; reward: the RewardWorker actor; data_plane: a
-    `dataplane.Handle` (None: rows come back whole, tests without a data plane); log_path: where
-    this process's library output goes (the run's logs/ folder)."""
+    """engines: engine actor handles; tokenizer_path: what the reward worker decodes with;
+    data_plane: a `dataplane.Handle`; log_path: where this process's library output goes (the
+    run's logs/ folder)."""
 
-    def __init__(self, cfg: DapoConfig, engines: list, reward, data_plane: Optional[dataplane.Handle],
+    def __init__(self, cfg: DapoConfig, engines: list, tokenizer_path: str, data_plane: dataplane.Handle,
                  train_data: PromptDataset, val_data: Optional[PromptDataset], stop_token_ids: tuple[int, ...],
                  log_path: Optional[str] = None):
         redirect_output(log_path)
         fg = cfg.algorithm.filter_groups
-        self.cfg, self.engines, self.reward = cfg, engines, reward
+        self.cfg, self.engines = cfg, engines
+        self.reward = RewardWorker(cfg, tokenizer_path, data_plane)
         self.train_data, self.val_data, self.stop_token_ids = train_data, val_data, tuple(stop_token_ids)
-        self.plane = dataplane.connect(data_plane) if data_plane is not None else None
+        self.plane = dataplane.connect(data_plane)
         self.prompts = PromptSampler(len(train_data), shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         self.sampler = DynamicSampler(cfg.data.train_batch_size, fg.max_num_gen_batches, fg.on_exhausted, fg.enable)
-        self.scorer = RewardScorer(reward, fg.metric)
+        self.scorer = RewardScorer(self.reward, fg.metric)
         self.collections = 0  # names each collection's data-plane partition
 
     def _sampling(self, sampling: Sampling) -> Sampling:
@@ -119,5 +122,5 @@ class RolloutManager:
 
     def shutdown(self) -> None:
         """The reward worker's pool and every engine, before Ray goes."""
-        ray.get(self.reward.close.remote())
+        self.reward.close()
         ray.get([e.shutdown.remote() for e in self.engines])

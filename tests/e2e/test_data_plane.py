@@ -64,16 +64,16 @@ def plane_env(tiny_assets, tmp_path_factory):
     ray = pytest.importorskip("ray")
     from dapo_megatron import dataplane
     from dapo_megatron.config.schema import DapoConfig, DataPlaneConfig
-    from dapo_megatron.driver.workers import RewardWorker
+    from dapo_megatron.rollout.reward_worker import RewardWorker
     # FakeEngine is defined here: Ray's workers import this module by name
     here = os.path.dirname(os.path.abspath(__file__))
     path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
     ray.init(num_cpus=2 + dataplane.ray_cpus(DataPlaneConfig()), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": path}})
     handle = dataplane.start(DataPlaneConfig())
-    reward = ray.remote(RewardWorker).options(num_cpus=0).remote(DapoConfig(), str(tiny_assets / "tokenizer"), handle)
+    reward = RewardWorker(DapoConfig(), str(tiny_assets / "tokenizer"), handle)  # the manager's, in this process
     yield handle, dataplane.connect(handle), reward
-    ray.get(reward.close.remote())
+    reward.close()
     dataplane.stop()
     ray.shutdown()
 
@@ -131,14 +131,13 @@ def _collect(plane_env, length, partition):
     data = Items(8)
     result = collect_sync([engine], data, PromptSampler(len(data), shuffle=False, seed=0), DynamicSampler(4, 1, enable=False),
                           scorer, Sampling(n=N, max_tokens=length), 4, Store(partition, plane))
-    received_bytes = result.metrics["driver/bytes"] + scorer.pop_metrics()["driver/reward_bytes"]
-    return result, received_bytes / result.metrics["sampling/scored_responses"], received(result)
+    return result, result.metrics["driver/bytes"] / result.metrics["sampling/scored_responses"], received(result)
 
 
 def test_driver_bytes_per_response_do_not_grow_with_response_length(plane_env):
-    """16 vs 1024 tokens per response: the driver receives the same bytes per response (keys,
-    lengths, scores); the tokens are in the data plane, the scores only in the driver's metadata
-    (nobody reads them from the plane, so the reward worker writes none there)."""
+    """16 vs 1024 tokens per response: the collecting process receives the same bytes per response
+    from the engines (keys, lengths); the tokens are in the data plane, the scores only in the
+    metadata (nobody reads them from the plane, so the reward worker writes none there)."""
     _, plane, _ = plane_env
     short, per_short, held_short = _collect(plane_env, 16, "short")
     long, per_long, held_long = _collect(plane_env, 1024, "long")
@@ -215,20 +214,19 @@ def test_early_stop_clears_aborted_and_filtered_groups_at_once(plane_env):
 def test_scorer_gives_the_rows_extra_info_to_a_custom_reward(plane_env, tmp_path, tiny_assets):
     """verl's reward contract through the reward worker: the dataset row's extra_info reaches
     compute_score, and the scores come back per response (metadata: none in the data plane)."""
-    ray = pytest.importorskip("ray")
     from dapo_megatron.batch import Prompt
     from dapo_megatron.config.schema import DapoConfig, RewardConfig
     from dapo_megatron.data.dataset import PromptItem
     from dapo_megatron.dataplane import read_batch
     from dapo_megatron.rollout.collect import RewardScorer, groups_to_batch
-    from dapo_megatron.driver.workers import RewardWorker
+    from dapo_megatron.rollout.reward_worker import RewardWorker
     from dapo_megatron.rollout.types import RolloutGroup
     handle, plane, _ = plane_env
     path = tmp_path / "r.py"
     path.write_text("def fn(data_source, solution_str, ground_truth, extra_info):\n"
                     "    return {'score': float(extra_info['weight']), 'acc': extra_info['weight'] > 1}\n")
     cfg = DapoConfig(reward=RewardConfig(custom_fn=f"{path}:fn"))
-    reward = ray.remote(RewardWorker).options(num_cpus=0).remote(cfg, str(tiny_assets / "tokenizer"), handle)
+    reward = RewardWorker(cfg, str(tiny_assets / "tokenizer"), handle)
     items = [PromptItem(i, Prompt((1, 2)), [], "3", "tiny_add", {"weight": w}, f"row {i}")
              for i, w in enumerate((0.5, 2.0))]
     groups = [RolloutGroup(f"g{i}", i, [1, 2], [[5], [6, 7]], [[-0.1], [-0.2, -0.3]], ["stop", "length"],
@@ -248,7 +246,7 @@ def test_scorer_gives_the_rows_extra_info_to_a_custom_reward(plane_env, tmp_path
     batch = read_batch(plane, step, [1, 3], ["prompts", "responses", "rollout_logprobs", "loss_mask"])
     assert batch.loss_mask.tolist() == [[1, 0], [1, 0]]
     torch.testing.assert_close(batch.rollout_logprobs, torch.tensor([[-0.2, -0.3]] * 2))
-    ray.get(reward.close.remote())
+    reward.close()
     plane.clear("extra")
 
 
@@ -377,17 +375,18 @@ def test_rollout_manager_reproduces_the_drivers_batches_and_resumes_exactly(plan
     step 1 (a resumed run) produces the same steps 2 and 3."""
     ray = pytest.importorskip("ray")
     from dapo_megatron.rollout.manager import RolloutManager
-    from dapo_megatron.driver.workers import RewardWorker
+    from dapo_megatron.rollout.reward_worker import RewardWorker
     handle, plane, _ = plane_env
     cfg = _manager_cfg(mode)
-    reward = ray.remote(RewardWorker).options(num_cpus=0).remote(cfg, str(tiny_assets / "tokenizer"), handle)
+    reward = RewardWorker(cfg, str(tiny_assets / "tokenizer"), handle)  # the reference collection's
     order = [(i * 7) % 24 for i in range(24)] if mode == "early_stop" else None
 
     def engine():
         return ray.remote(SeededEngine).options(num_cpus=0, max_concurrency=4).remote(handle, 24, order)
 
     def manager():
-        return ray.remote(RolloutManager).options(num_cpus=0).remote(cfg, [engine()], reward, handle, Items(24), None, ())
+        return ray.remote(RolloutManager).options(num_cpus=0).remote(cfg, [engine()], str(tiny_assets / "tokenizer"), handle,
+                                                                  Items(24), None, ())
 
     def batch(m, step):
         out = ray.get(m.next_batch.remote(step))
@@ -411,7 +410,7 @@ def test_rollout_manager_reproduces_the_drivers_batches_and_resumes_exactly(plan
     if mode == "early_stop":
         assert sum(m.get("sampling/aborted_groups", 0) for m in metrics) > 0, metrics
     assert got[1][0].keys != got[2][0].keys  # the steps differ: a manager stuck on one batch fails
-    ray.get(reward.close.remote())
+    reward.close()
     for m in (first, resumed):
         ray.kill(m)
 

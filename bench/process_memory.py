@@ -1,0 +1,113 @@
+"""Memory of the quickstart by process: the peak PSS of each process of the run, and of their sum.
+
+    python bench/process_memory.py [--steps 8] [key=value ...]
+
+Runs the quickstart (dynamic sampling off, no validation or checkpoints, plus any overrides)
+and samples every process of its tree every 0.5 s: the driver, the Ray daemons it starts (GCS,
+raylet, agents) and every Ray worker (engine, training ranks, rollout manager, reward worker,
+TransferQueue's controller and storage). PSS counts a page shared by k processes as 1/k in each,
+so the sum is what the run costs the machine (RSS would count torch's libraries once per process).
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+
+
+def pss_mb(pid: int) -> float:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def role(proc: psutil.Process) -> str:
+    """A name for the process: the Ray actor's class (its title while it runs a method), the
+    daemon's executable, or the driver."""
+    try:
+        cmd = proc.cmdline()
+    except psutil.Error:
+        return "?"
+    title = " ".join(cmd)
+    if title.startswith("ray::"):
+        return title.split()[0].split(".")[0]  # ray::TrainWorker.step_update -> ray::TrainWorker
+    for daemon in ("gcs_server", "raylet", "dashboard_agent", "runtime_env", "log_monitor", "monitor.py",
+                   "dashboard.py"):
+        if daemon in title:
+            return daemon
+    if "default_worker.py" in title:
+        return "ray worker, no actor yet"
+    if "dapo_megatron.main" in title:
+        return "driver"
+    return " ".join(os.path.basename(c) for c in cmd[:3])[:60] if cmd else "?"
+
+
+class Sampler(threading.Thread):
+    def __init__(self, root: int, every_s: float = 0.5):
+        super().__init__(daemon=True)
+        self.root, self.every_s, self.stop = root, every_s, threading.Event()
+        self.peak = collections.defaultdict(float)  # pid -> peak PSS (MB)
+        self.names: dict[int, str] = {}  # pid -> the most specific role seen (not ray::IDLE)
+        self.peak_sum = 0.0
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every_s):
+            try:
+                procs = [psutil.Process(self.root)] + psutil.Process(self.root).children(recursive=True)
+            except psutil.Error:
+                return
+            total = 0.0
+            for p in procs:
+                mb = pss_mb(p.pid)
+                total += mb
+                self.peak[p.pid] = max(self.peak[p.pid], mb)
+                name = role(p)
+                if name not in ("ray::IDLE", "?") or p.pid not in self.names:
+                    self.names[p.pid] = name
+            self.peak_sum = max(self.peak_sum, total)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
+               "algorithm.filter_groups.enable=false", f"trainer.total_training_steps={args.steps}",
+               "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
+               "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", "trainer.resume_mode=disable",
+               *args.overrides]
+        t0 = time.time()
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        sampler = Sampler(proc.pid)
+        sampler.start()
+        _, err = proc.communicate(timeout=1800)
+        sampler.stop.set()
+        if proc.returncode:
+            raise SystemExit(f"the quickstart failed:\n{err[-3000:]}")
+    by_role = collections.defaultdict(list)
+    for pid, mb in sampler.peak.items():
+        by_role[sampler.names[pid]].append(mb)
+    print(f"\nquickstart processes, peak PSS (MB), {args.steps} steps in {time.time() - t0:.0f} s; "
+          f"overrides: {' '.join(args.overrides) or 'none'}")
+    print("| process | count | peak PSS MB (sum over its processes) |\n|---|---|---|")
+    for name, mbs in sorted(by_role.items(), key=lambda kv: -sum(kv[1])):
+        print(f"| {name} | {len(mbs)} | {sum(mbs):.0f} |")
+    print(f"| **all, peak of the sum** | {len(sampler.peak)} | **{sampler.peak_sum:.0f}** |")
+
+
+if __name__ == "__main__":
+    main()
