@@ -1,11 +1,15 @@
-"""Quickstart step time of this checkout against an earlier commit, alternated in one run.
+"""Quickstart step time by phase: this checkout against an earlier commit, or against itself with
+other settings, alternated in one run.
 
     python bench/quickstart_step_time.py [--baseline 23b9f50] [--rounds 2] [--steps 12]
+    python bench/quickstart_step_time.py --baseline none --variant "no checksums:rollout.sync.verify_every=0" \
+        --variant "old-log-prob pass:actor.old_logprobs=recompute" [--ours algorithm.filter_groups.enable=false]
 
-Checks the baseline commit out into a temporary git worktree and runs the quickstart
-(`--steps` steps, no validation, no checkpoints) from each tree in turn, `--rounds` times, with
-this venv. Prints the median over steps 3.. of each phase (`timing/*`) and the driver's CPU.
-The baseline default is the last commit before the data plane.
+Checks the baseline commit out into a temporary git worktree (unless `--baseline none`) and runs
+the quickstart (`--steps` steps, no validation, no checkpoints, plus `--ours` overrides) from each
+tree and each `--variant NAME:key=value,...` of this checkout in turn, `--rounds` times, with this
+venv. Prints the median over steps 3.. of each phase (`timing/*`; `reward/time_s` is the scoring
+inside `timing/gen`), what the phases leave of the step, and the driver's CPU.
 """
 from __future__ import annotations
 
@@ -17,39 +21,55 @@ import subprocess
 import sys
 import tempfile
 
-PHASES = ("timing/step", "timing/gen", "timing/old_logprob", "timing/update", "driver/cpu_s")
+PHASES = ("timing/step", "timing/gen", "reward/time_s", "timing/old_logprob", "timing/update", "timing/sync",
+          "driver/cpu_s")
+NAMED = ("timing/gen", "timing/old_logprob", "timing/update", "timing/sync")  # what `other` is the rest of
 
 
-def _run(tree: str, out: str, steps: int) -> dict[str, float]:
+def _run(tree: str, out: str, steps: int, overrides: list[str]) -> dict[str, float]:
     subprocess.run([sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
                     f"trainer.total_training_steps={steps}", "trainer.save_freq=0", "trainer.test_freq=0",
                     "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}",
-                    "trainer.resume_mode=disable"], cwd=tree, check=True, capture_output=True, timeout=1800)
+                    "trainer.resume_mode=disable", *overrides], cwd=tree, check=True, capture_output=True, timeout=1800)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][2:]  # warm-up steps
-    return {k: statistics.median(r.get(k, 0.0) for r in rows) for k in PHASES}  # no old_logprob: on-policy
+    med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in PHASES}  # no old_logprob: on-policy
+    med["other"] = statistics.median(r["timing/step"] - sum(r.get(k, 0.0) for k in NAMED) for r in rows)
+    return med
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--baseline", default="23b9f50")
+    p.add_argument("--baseline", default="23b9f50", help="a commit, or none")
+    p.add_argument("--variant", action="append", default=[], help="NAME:key=value,key=value (this checkout)")
+    p.add_argument("--ours", nargs="*", default=[], help="overrides for every run")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=12)
     args = p.parse_args()
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = [("this checkout", here, [])]
+    for v in args.variant:
+        name, _, overrides = v.partition(":")
+        runs.append((name, here, overrides.split(",")))
     with tempfile.TemporaryDirectory() as tmp:
-        base = os.path.join(tmp, "baseline")
-        subprocess.run(["git", "worktree", "add", "-f", base, args.baseline], cwd=here, check=True, capture_output=True)
+        if args.baseline != "none":
+            base = os.path.join(tmp, "baseline")
+            subprocess.run(["git", "worktree", "add", "-f", base, args.baseline], cwd=here, check=True,
+                           capture_output=True)
+            runs.insert(0, (args.baseline, base, []))
         rows = []
         try:
             for r in range(args.rounds):
-                for name, tree in ((args.baseline, base), ("this checkout", here)):
-                    rows.append((f"{name}, {r + 1}", _run(tree, os.path.join(tmp, f"run{r}-{len(rows)}"), args.steps)))
+                for name, tree, overrides in runs:
+                    out = os.path.join(tmp, f"run{r}-{len(rows)}")
+                    rows.append((f"{name}, {r + 1}", _run(tree, out, args.steps, args.ours + overrides)))
         finally:
-            subprocess.run(["git", "worktree", "remove", "--force", base], cwd=here, capture_output=True)
-    print(f"\nquickstart step time, median of steps 3..{args.steps} (s)")
-    print("| run | " + " | ".join(PHASES) + " |\n|" + "---|" * (len(PHASES) + 1))
+            if args.baseline != "none":
+                subprocess.run(["git", "worktree", "remove", "--force", base], cwd=here, capture_output=True)
+    print(f"\nquickstart step time, median of steps 3..{args.steps} (s); every run: {' '.join(args.ours) or '-'}")
+    cols = (*PHASES, "other")
+    print("| run | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 1))
     for name, med in rows:
-        print(f"| {name} | " + " | ".join(f"{med[k]:.3f}" for k in PHASES) + " |")
+        print(f"| {name} | " + " | ".join(f"{med[k]:.3f}" for k in cols) + " |")
 
 
 if __name__ == "__main__":

@@ -2,11 +2,11 @@
 
 Engines put each finished response's tokens (`prompts`, `responses`, `rollout_logprobs`, and
 `loss_mask` / `routed_experts` when they have them; a prompt's images once per group, as an
-image row the group's responses point to); the reward worker reads `responses` and puts
-`scores` / `acc`; each training rank reads the rows of its DP share and the columns it needs, and
-puts `old_logprobs` / `ref_logprobs` (and recorded routes) back by column. The driver sees keys
-and small per-response metadata only (`StepBatch`), and clears a step's partition when the update
-consumed it. This is the one module that knows TransferQueue (`transfer_queue` on PyPI): its
+image row the group's responses point to); the reward worker (in the rollout manager) reads
+`responses`; each training rank reads the rows of its DP share and the columns it needs, and,
+under PP or CP, puts `old_logprobs` / `ref_logprobs` (and recorded routes) back by column. The
+driver sees keys and small per-response metadata only (`StepBatch`), and has the manager, which
+started the data plane, clear a step's partition when the update consumed it. This is the one module that knows TransferQueue (`transfer_queue` on PyPI): its
 controller and SimpleStorage units (Ray actors, ZMQ between processes), through its KV interface.
 
 Values are stored per `batch.FIELDS` row: sample fields as [n] tensors, sequence / token /

@@ -22,7 +22,6 @@ from dapo_megatron.config import DapoConfig
 from dapo_megatron.driver import setup
 from dapo_megatron.driver.colocate import TimeShare
 from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog
-from dapo_megatron.rollout.collect import Store
 
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group before giving up
@@ -90,8 +89,8 @@ def train_step(run: Run) -> dict:
             step.fields += tuple(written)
         with _kill_during("update", run.step + 1), run.timed("update"):
             metrics = ctx.train.step_update(step)
-    finally:
-        Store(step.partition, ctx.plane).clear()  # the step's rows, consumed (or failed)
+    finally:  # the step's rows, consumed (or failed); what the data plane still holds
+        resident = roles.get("rollout manager", ctx.manager.release.remote(step.partition))
     run.share.before_sync(run)
     with run.timed("sync"):
         run.syncs += 1
@@ -99,11 +98,11 @@ def train_step(run: Run) -> dict:
                                           verify=setup.verify_due(cfg, run.syncs)))
     run.share.after_sync(run)
     metrics.update(rollout_metrics, **lp_metrics)
-    metrics.update(_batch_metrics(step, metrics, ctx.plane))
+    metrics.update(_batch_metrics(step, metrics, resident))
     return metrics
 
 
-def _batch_metrics(step, metrics: dict, plane) -> dict:
+def _batch_metrics(step, metrics: dict, resident_bytes: int) -> dict:
     """The kept batch's reward, length and advantage, from its metadata; the bytes the control
     plane (the rollout manager) received from the engines per scored response (`driver/*`: the
     names runs have always logged); what the data plane still holds once the step's partition
@@ -116,7 +115,7 @@ def _batch_metrics(step, metrics: dict, plane) -> dict:
             "advantages/abs_mean": float((adv * tokens).sum() / tokens.sum().clamp(min=1)),
             "driver/bytes": received,
             "driver/bytes_per_response": received / max(metrics.get("sampling/scored_responses", 1.0), 1.0),
-            "data_plane/resident_mb": plane.resident_bytes() / 2**20}
+            "data_plane/resident_mb": resident_bytes / 2**20}
 
 
 def run(cfg: DapoConfig) -> int:

@@ -31,8 +31,7 @@ class Context:
     spec: ModelSpec
     tokenizer: object
     placement: Placement
-    manager: object  # the RolloutManager actor: prompt stream, engines' requests, reward, validation
-    plane: object  # the driver's data-plane client (metadata calls: clear, resident size)
+    manager: object  # the RolloutManager actor: prompt stream, engines' requests, reward, validation, data plane
     out_dir: str
     total_steps: int
 
@@ -112,18 +111,16 @@ def prepare(cfg: DapoConfig) -> Context:
         1, len(train_data) // cfg.data.train_batch_size)
     check_reward_config(cfg.reward)  # imports reward.custom_fn: a bad one fails here, not in an actor
     init_ray(cfg)
-    # The roles first, the data plane while they start (they attach to it on first use): their
-    # imports and the controller's overlap.
+    # The roles first; the manager starts the data plane while the others start (they attach to
+    # it on first use, after the manager's first batch): their imports and the controller's overlap.
     handle = dataplane.Handle(cfg.data_plane.backend)
     placement = place(cfg, model_path, spec, cfg.data.max_prompt_length + cfg.data.max_response_length,
                       tokenizer_path=tokenizer_dir, data_plane=handle)
     manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
         _absolute_custom_fn(cfg), placement.engines, tokenizer_dir, handle, train_data, val_data, stop_token_ids(tokenizer),
-        log_path=log_file(cfg.trainer.default_local_dir, "rollout-manager"))
-    dataplane.start(cfg.data_plane)
+        log_path=log_file(cfg.trainer.default_local_dir, "rollout-manager"), start_data_plane=True)
     as_role("actor", placement.train.setup, total)
-    return Context(cfg, model_path, spec, tokenizer, placement, manager, dataplane.connect(handle),
-                   cfg.trainer.default_local_dir, total)
+    return Context(cfg, model_path, spec, tokenizer, placement, manager, cfg.trainer.default_local_dir, total)
 
 
 def write_config(cfg: DapoConfig, out_dir: str) -> None:
@@ -247,7 +244,6 @@ def shutdown(run) -> None:
     run.logger.close()
     roles.get("rollout manager", run.ctx.manager.shutdown.remote())
     ray.kill(run.ctx.manager)  # not in the placement group: removing it would leave the actor
-    dataplane.stop()
     # Free the run's devices (its actors with them): a later run in the same process (a notebook,
     # a test session) finds Ray still up and would wait forever for a placement group of its own.
     ray.util.remove_placement_group(run.ctx.placement.pg)
