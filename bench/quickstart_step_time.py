@@ -2,6 +2,7 @@
 other settings, alternated in one run.
 
     python bench/quickstart_step_time.py [--baseline 23b9f50] [--rounds 2] [--steps 12]
+    python bench/quickstart_step_time.py --config quickstart_async --baseline none --variant "sync:trainer.mode=sync"
     python bench/quickstart_step_time.py --baseline none --variant "no checksums:rollout.sync.verify_every=0" \
         --variant "old-log-prob pass:actor.old_logprobs=recompute" [--ours algorithm.filter_groups.enable=false]
 
@@ -21,13 +22,14 @@ import subprocess
 import sys
 import tempfile
 
-PHASES = ("timing/step", "timing/gen", "reward/time_s", "timing/old_logprob", "timing/update", "timing/sync",
-          "driver/cpu_s")
-NAMED = ("timing/gen", "timing/old_logprob", "timing/update", "timing/sync")  # what `other` is the rest of
+PHASES = ("timing/step", "timing/gen", "timing/trainer_wait", "reward/time_s", "timing/old_logprob", "timing/update",
+          "timing/sync_wait", "timing/sync", "driver/cpu_s")
+# what `other` is the rest of (one_step_off: trainer_wait and sync_wait are the generation it waits for)
+NAMED = ("timing/gen", "timing/trainer_wait", "timing/old_logprob", "timing/update", "timing/sync_wait", "timing/sync")
 
 
-def _run(tree: str, out: str, steps: int, overrides: list[str]) -> dict[str, float]:
-    subprocess.run([sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
+def _run(tree: str, out: str, steps: int, overrides: list[str], config: str) -> dict[str, float]:
+    subprocess.run([sys.executable, "-m", "dapo_megatron.main", "--config-name", config,
                     f"trainer.total_training_steps={steps}", "trainer.save_freq=0", "trainer.test_freq=0",
                     "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}",
                     "trainer.resume_mode=disable", *overrides], cwd=tree, check=True, capture_output=True, timeout=1800)
@@ -42,6 +44,7 @@ def main() -> None:
     p.add_argument("--baseline", default="23b9f50", help="a commit, or none")
     p.add_argument("--variant", action="append", default=[], help="NAME:key=value,key=value (this checkout)")
     p.add_argument("--ours", nargs="*", default=[], help="overrides for every run")
+    p.add_argument("--config", default="quickstart", help="e.g. quickstart_async")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=12)
     args = p.parse_args()
@@ -61,11 +64,11 @@ def main() -> None:
             for r in range(args.rounds):
                 for name, tree, overrides in runs:
                     out = os.path.join(tmp, f"run{r}-{len(rows)}")
-                    rows.append((f"{name}, {r + 1}", _run(tree, out, args.steps, args.ours + overrides)))
+                    rows.append((f"{name}, {r + 1}", _run(tree, out, args.steps, args.ours + overrides, args.config)))
         finally:
             if args.baseline != "none":
                 subprocess.run(["git", "worktree", "remove", "--force", base], cwd=here, capture_output=True)
-    print(f"\nquickstart step time, median of steps 3..{args.steps} (s); every run: {' '.join(args.ours) or '-'}")
+    print(f"\n{args.config} step time, median of steps 3..{args.steps} (s); every run: {' '.join(args.ours) or '-'}")
     cols = (*PHASES, "other")
     print("| run | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 1))
     for name, med in rows:

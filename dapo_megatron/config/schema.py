@@ -224,6 +224,9 @@ class TrainerConfig:
     n_gpus_per_node: int = 8  # accelerators (or CPU ranks) per node
     device: str = "auto"  # auto | cuda | npu | cpu
     placement: str = "colocated"  # colocated | split
+    # sync: generation and training take turns (the recipe). one_step_off: the batch of step k + 1
+    # is generated with the weights of step k - 1 while step k trains (split placement).
+    mode: str = "sync"
     total_training_steps: Optional[int] = None  # null: derived from total_epochs
     total_epochs: int = 1
     save_freq: int = -1  # -1: only at the end / on SIGTERM

@@ -26,6 +26,7 @@ KeyFn = Callable[[str], str]  # a degree's name ("tp") -> the key a user changes
 CHOICES: dict[str, tuple] = {
     "trainer.device": ("auto", "cuda", "npu", "cpu"),
     "trainer.placement": ("colocated", "split"),
+    "trainer.mode": ("sync", "one_step_off"),
     "actor.loss_agg_mode": tuple(LOSS_AGG_MODES),
     "actor.policy_loss": tuple(POLICY_LOSSES),
     "actor.rollout_correction.is_level": (None, *IS_LEVELS),
@@ -246,12 +247,21 @@ def _check_layouts(cfg: DapoConfig) -> None:
              f"devices / rollout.parallel.tp ({r.tp}); 0 starts {fit}")
     _require(0 < cfg.rollout.gpu_memory_utilization <= 1, "rollout.gpu_memory_utilization",
              f"rollout.gpu_memory_utilization must be in (0, 1], got {cfg.rollout.gpu_memory_utilization}")
+    _check_mode(cfg)
     _check_offload(cfg)
     dp = data_parallel_size(cfg.actor.parallel, devices["actor"])
     responses = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
     _require(responses % dp == 0, "actor.ppo_mini_batch_size",
              f"actor.ppo_mini_batch_size ({cfg.actor.ppo_mini_batch_size}) x rollout.n ({cfg.rollout.n}) = "
              f"{responses} responses must split evenly over the actor's {dp} data-parallel ranks")
+
+
+def _check_mode(cfg: DapoConfig) -> None:
+    """one_step_off generates while the actor trains: on devices of their own. Colocated, the
+    engines sleep and the actor's state is offloaded in turns (verl's colocate_async is not built)."""
+    _require(cfg.trainer.mode == "sync" or cfg.trainer.placement == "split", "trainer.placement",
+             f"trainer.mode={cfg.trainer.mode} generates while the actor trains: it needs trainer.placement=split "
+             "(engines on rollout.num_devices devices of their own)")
 
 
 def _check_offload(cfg: DapoConfig) -> None:

@@ -199,6 +199,16 @@ def _router_replay(value: str) -> list[str]:
     return [f"actor.router_replay={_ROUTER_REPLAY[mode]}"]
 
 
+def _trainer_mode(value: str) -> list[str]:
+    # verl's V1 trainer modes; ours: sync, or one_step_off (one batch ahead, split placement).
+    mode = _bare(value).lower()
+    if mode != "sync":
+        raise ValueError(f"trainer.v1.trainer_mode={_bare(value)} is not built: the overlap here is "
+                         "trainer.mode=one_step_off with trainer.placement=split (the next batch generates "
+                         "while this one trains, one weight push behind)")
+    return ["trainer.mode=sync"]
+
+
 # verl key -> its value mapped to our overrides (a ValueError refuses the value).
 VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     _A + "use_token_level_loss": _token_level_loss,
@@ -225,6 +235,8 @@ VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
         [] if _is_null(v) else [f"{_RC}veto_threshold={float(_bare(v))}"]),
     _A + "policy_loss.loss_mode": _loss_mode,
     **{_A + home + "router_replay.mode": _router_replay for home in ("", "megatron.", "mindspeed.")},
+    "trainer.v1.trainer_mode": _trainer_mode,
+    "trainer.use_v1": lambda v: [],  # which loop verl runs; ours is trainer.mode (v1.trainer_mode's)
 }
 # Rules whose outcome must win over a key they override (Hydra keeps the last value).
 LATE = (_RO + "val_kwargs.do_sample", "data.filter_overlong_prompts")

@@ -13,7 +13,9 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Optional
 
+import ray
 import torch
 
 from dapo_megatron import roles
@@ -54,6 +56,8 @@ class Run:
     syncs: int = 0
     stop_requested: bool = False
     timing: dict = field(default_factory=dict)
+    # trainer.mode=one_step_off: the batch the engines generate while this step trains
+    pending: Optional["Request"] = None
 
     @contextlib.contextmanager
     def timed(self, name: str, what=()):
@@ -65,12 +69,49 @@ class Run:
         self.phases.write(self.step + 1, name, what, seconds)
 
 
+@dataclass(frozen=True)
+class Request:
+    """A batch asked of the rollout manager: its future, the step it is for, the weight syncs
+    done when it was asked (its responses' policy version)."""
+    ref: object
+    step: int
+    version: int
+
+
+def _request(run: Run, step: int) -> Request:
+    return Request(run.ctx.manager.next_batch.remote(step), step, run.syncs)
+
+
+def take_batch(run: Run) -> tuple:
+    """This step's batch and its rollout metrics. sync: generated now, with the last step's
+    weights. one_step_off: the one generated while the last step trained; the next one is asked
+    before this one trains, so the engines generate it with these weights in the meantime."""
+    one_step_off = run.cfg.trainer.mode == "one_step_off"
+    request = run.pending or _request(run, run.step + 1)
+    with run.timed("trainer_wait" if one_step_off else "gen"):
+        step, metrics = roles.get("rollout manager", request.ref)
+    run.pending = _request(run, run.step + 2) if one_step_off and run.step + 1 < run.ctx.total_steps else None
+    if step is not None:  # how many weight pushes behind the policy being trained its responses are
+        stale = float(run.syncs - request.version)
+        metrics.update({"rollout/staleness_mean": stale, "rollout/staleness_max": stale})
+    return step, metrics
+
+
+def drop_pending(run: Run) -> None:
+    """A batch generated but never trained (the run ended or stopped): its rows go; its prompts
+    are back in the stream of any checkpoint saved since (`setup.trainer_state`)."""
+    if run.pending is not None:
+        step, _ = roles.get("rollout manager", run.pending.ref)
+        run.pending = None
+        if step is not None:
+            roles.get("rollout manager", run.ctx.manager.release.remote(step.partition))
+
+
 def train_step(run: Run) -> dict:
     """One DAPO step; returns its metrics (empty if dynamic sampling kept nothing). The step's
     rows live in one data-plane partition, cleared when the update consumed them (or failed)."""
     cfg, ctx = run.cfg, run.ctx
-    with run.timed("gen"):
-        step, rollout_metrics = roles.get("rollout manager", ctx.manager.next_batch.remote(run.step + 1))
+    step, rollout_metrics = take_batch(run)
     if step is None:
         return {}
     try:
@@ -92,6 +133,9 @@ def train_step(run: Run) -> dict:
     finally:  # the step's rows, consumed (or failed); what the data plane still holds
         resident = roles.get("rollout manager", ctx.manager.release.remote(step.partition))
     run.share.before_sync(run)
+    if run.pending is not None:  # one_step_off: the batch in flight is the old weights' to finish
+        with run.timed("sync_wait"):
+            ray.wait([run.pending.ref], num_returns=1)
     with run.timed("sync"):
         run.syncs += 1
         metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync,
@@ -158,6 +202,7 @@ def run(cfg: DapoConfig) -> int:
             setup.save(run_)
     if not (cfg.trainer.save_freq > 0 and run_.step % cfg.trainer.save_freq == 0):
         setup.save(run_)  # the end of the run, or SIGTERM: keep what was trained
+    drop_pending(run_)
     run_.phases.close()
     setup.shutdown(run_)
     return 0

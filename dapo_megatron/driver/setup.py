@@ -210,8 +210,9 @@ def evaluate(run) -> dict:
 
 def trainer_state(run) -> dict:
     """Counters, and the manager's prompt position and sampler state: a resume continues the stream."""
+    before = run.pending.step if run.pending is not None else None  # an untrained batch's prompts go back
     return {"step": run.step, "syncs": run.syncs,
-            **roles.get("rollout manager", run.ctx.manager.state_dict.remote())}
+            **roles.get("rollout manager", run.ctx.manager.state_dict.remote(before))}
 
 
 def save(run) -> None:

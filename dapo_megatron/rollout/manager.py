@@ -1,15 +1,17 @@
 """The rollout manager: the producer side of the loop, one Ray actor.
 
 It owns the prompt stream, the engines' submission / poll / abort, the reward worker (in this
-process), dynamic
-sampling (both modes, rollout/collect.py) and validation, and hands the trainer a finished
+process), dynamic sampling (both modes, rollout/collect.py), validation and the data plane's
+start and stop, and hands the trainer a finished
 `StepBatch` (keys + metadata; the tokens are in the data plane) per `next_batch` call. In the
 synchronous loop the trainer asks for each batch after its weight push, so generation and training
-take turns as the DAPO recipe does; an asynchronous mode will produce ahead of the trainer here.
+take turns as the DAPO recipe does; with trainer.mode=one_step_off it asks for the next batch
+before it trains on this one (a producer running ahead on its own is not built yet).
 Its state (prompt position, sampler counters) goes into every checkpoint through the driver.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import time
 from typing import Optional
@@ -54,6 +56,9 @@ class RolloutManager:
         self.sampler = DynamicSampler(cfg.data.train_batch_size, fg.max_num_gen_batches, fg.on_exhausted, fg.enable)
         self.scorer = RewardScorer(self.reward, fg.metric)
         self.collections = 0  # names each collection's data-plane partition
+        # step -> the state before its batch was collected: a checkpoint taken while that batch
+        # waits untrained (trainer.mode=one_step_off) saves this one, so its prompts come back.
+        self.before: dict[int, dict] = {}
 
     def _sampling(self, sampling: Sampling) -> Sampling:
         return dataclasses.replace(sampling, stop_token_ids=self.stop_token_ids)
@@ -63,6 +68,8 @@ class RolloutManager:
         dynamic sampling kept no group (the reward metrics then carry over to the next batch).
         Its rows live in partition `step<step>-<n>`; the trainer clears it once it is consumed."""
         cfg = self.cfg
+        self.before = {s: v for s, v in self.before.items() if s >= step - 1}
+        self.before[step] = copy.deepcopy(self.state_dict())
         self.collections += 1
         store = Store(f"step{step}-{self.collections}", self.plane)
         sampling = self._sampling(Sampling.from_config(cfg.rollout, cfg.data.max_response_length,
@@ -117,8 +124,11 @@ class RolloutManager:
             out.update(validation_metrics(prompts, seed=cfg.rollout.seed))
         return out
 
-    def state_dict(self) -> dict:
-        """What a checkpoint needs to resume the stream exactly (the keys older checkpoints have)."""
+    def state_dict(self, before: Optional[int] = None) -> dict:
+        """What a checkpoint needs to resume the stream exactly (the keys older checkpoints have);
+        `before`: as it was before the batch of that step was collected (a batch not yet trained)."""
+        if before is not None:
+            return self.before[before]
         return {"prompts": self.prompts.state_dict(), "dynamic_sampling": self.sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

@@ -397,6 +397,8 @@ def test_rollout_manager_reproduces_the_drivers_batches_and_resumes_exactly(plan
     got = [batch(first, 1)]
     state = ray.get(first.state_dict.remote())
     got += [batch(first, 2), batch(first, 3)]
+    # what a checkpoint saves while step 2's batch waits untrained (trainer.mode=one_step_off)
+    assert ray.get(first.state_dict.remote(2)) == state
     resumed = manager()
     ray.get(resumed.load_state_dict.remote(state))
     again = [batch(resumed, 2), batch(resumed, 3)]

@@ -36,7 +36,8 @@ def _tiny_vl() -> dict:
     return dict(model_type="qwen3_vl_moe", **TINY_VL_MOE)
 
 
-SHIPPED_MODELS = {"dapo": QWEN3_30B, "quickstart": TINY_MOE, "quickstart_vl": _tiny_vl(), "qwen3_30b_a3b_megatron_gpu": QWEN3_30B,
+SHIPPED_MODELS = {"dapo": QWEN3_30B, "quickstart": TINY_MOE, "quickstart_async": TINY_MOE, "quickstart_vl": _tiny_vl(),
+                  "qwen3_30b_a3b_megatron_gpu": QWEN3_30B,
                   "qwen3_30b_a3b_megatron_npu": QWEN3_30B, "qwen3_vl_30b_a3b_megatron_gpu": QWEN3_VL_30B,
                   "qwen3_vl_30b_a3b_megatron_npu": QWEN3_VL_30B}
 
@@ -172,6 +173,8 @@ RULES = [
     (["actor.policy_loss=gspo"], "actor.loss_agg_mode"),  # a sequence-level objective, refused with token-mean
     (["actor.policy_loss=ppo2"], "actor.policy_loss"),
     (["actor.old_logprobs=skip"], "actor.old_logprobs"),
+    (["trainer.mode=async"], "trainer.mode"),
+    (["trainer.mode=one_step_off"], "trainer.placement"),
     (["actor.rollout_correction.rs=seq_mean_k3"], "actor.rollout_correction.rs_threshold"),
     (["actor.rollout_correction.rs=seq_max_k1", "actor.rollout_correction.rs_threshold=2"], "actor.rollout_correction.rs"),
     (["actor.rollout_correction.is_level=token", "actor.rollout_correction.is_mode=mask",

@@ -99,6 +99,7 @@ TRANSLATED = [
     (["++transfer_queue.num_data_storage_units=4"], "data_plane.storage_units", 4),
     (["++transfer_queue.enable=True"], "data_plane.backend", "transfer_queue"),
     (["actor_rollout_ref.rollout.ignore_eos=True"], "rollout.ignore_eos", True),
+    (["+trainer.use_v1=True", "+trainer.v1.trainer_mode=sync"], "trainer.mode", "sync"),
 ]
 
 
@@ -203,6 +204,8 @@ REFUSED = [
     (["actor_rollout_ref.actor.megatron.router_replay.mode=R4"], "actor.router_replay"),
     (["actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml"], "rollout.tools"),
     (["++transfer_queue.enable=False"], "data plane"),
+    (["+trainer.v1.trainer_mode=separate_async"], "trainer.mode=one_step_off"),
+    (["+trainer.v1.trainer_mode=colocate_async"], "trainer.placement=split"),
 ]
 
 
