@@ -1,8 +1,9 @@
 """Memory of the quickstart by process: the peak PSS of each process of the run, and of their sum.
 
-    python bench/process_memory.py [--steps 8] [key=value ...]
+    python bench/process_memory.py [--steps 8] [--config quickstart] [key=value ...]
 
-Runs the quickstart (dynamic sampling off, no validation or checkpoints, plus any overrides)
+Runs the quickstart (or `--config`: quickstart_async is one training rank and one engine;
+dynamic sampling off, no validation or checkpoints, plus any overrides)
 and samples every process of its tree every 0.5 s: the driver, the Ray daemons it starts (GCS,
 raylet, agents) and every Ray worker (engine, training ranks, rollout manager, reward worker,
 TransferQueue's controller and storage). PSS counts a page shared by k processes as 1/k in each,
@@ -82,10 +83,11 @@ class Sampler(threading.Thread):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--config", default="quickstart")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
+        cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", args.config,
                "algorithm.filter_groups.enable=false", f"trainer.total_training_steps={args.steps}",
                "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
                "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", "trainer.resume_mode=disable",
@@ -101,7 +103,7 @@ def main() -> None:
     by_role = collections.defaultdict(list)
     for pid, mb in sampler.peak.items():
         by_role[sampler.names[pid]].append(mb)
-    print(f"\nquickstart processes, peak PSS (MB), {args.steps} steps in {time.time() - t0:.0f} s; "
+    print(f"\n{args.config} processes, peak PSS (MB), {args.steps} steps in {time.time() - t0:.0f} s; "
           f"overrides: {' '.join(args.overrides) or 'none'}")
     print("| process | count | peak PSS MB (sum over its processes) |\n|---|---|---|")
     for name, mbs in sorted(by_role.items(), key=lambda kv: -sum(kv[1])):
