@@ -24,6 +24,7 @@ import psutil
 
 from dapo_megatron.assets import resolve_asset_path
 from dapo_megatron.config import load_config
+from process_memory import pss_mb  # bench/ is this script's folder: on sys.path
 
 ROOT = Path(__file__).resolve().parent.parent
 TRL_VENV = Path.home() / ".cache" / "dapo-megatron" / "bench" / "trl-venv"
@@ -99,14 +100,7 @@ def tree_pss_gb(root: int) -> float:
         procs = [psutil.Process(root), *psutil.Process(root).children(recursive=True)]
     except psutil.NoSuchProcess:
         return 0.0
-    kb = 0
-    for p in procs:
-        try:
-            with open(f"/proc/{p.pid}/smaps_rollup") as f:
-                kb += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
-        except (OSError, StopIteration):  # the process exited between listing and reading
-            pass
-    return kb / 2**20
+    return sum(pss_mb(p.pid) for p in procs) / 1024
 
 
 def run_measured(cmd: list[str], out: Path) -> float:

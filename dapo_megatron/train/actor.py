@@ -147,7 +147,7 @@ class Actor:
         self.scheduler.step(1)  # warm-up counts RL steps; step 1 trains with lr / warmup, not 0
         if minis is None:
             minis = self.minibatches(batch.sequence_lengths, batch.loss_mask.bool().sum(1).tolist())
-        if batch.old_logprobs is None and (self.cfg.ppo_epochs > 1 or len(minis) > 1 or self.cfg.old_logprobs != "auto"):
+        if batch.old_logprobs is None and not self.cfg.reuses_update_forward(self.n, sum(c[1] for _, c in minis)):
             raise ValueError(f"Actor.update needs batch.old_logprobs (from compute_logprobs): with {len(minis)} "
                              f"mini-batches x {self.cfg.ppo_epochs} epochs (actor.old_logprobs={self.cfg.old_logprobs}) "
                              "the update's own forward is not the old policy")
