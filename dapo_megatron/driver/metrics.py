@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import time
 import warnings
 from typing import Mapping, Sequence
 
@@ -118,15 +119,17 @@ class MetricsLogger:
 
 class PhaseLog:
     """`phases.jsonl` in the run folder: one line per phase of the loop, in the order they ran
-    ({"step", "phase", "what", "s"}): which role held the devices when, e.g. that the engines slept
-    before the actor loaded its state (driver/colocate.py)."""
+    ({"step", "phase", "what", "s", "end": its wall-clock end, time.time()}): which role held the
+    devices when, e.g. that the engines slept before the actor loaded its state (driver/colocate.py),
+    and what each process did meanwhile (bench/core_use.py)."""
 
     def __init__(self, out_dir: str):
         os.makedirs(out_dir, exist_ok=True)
         self._file = open(os.path.join(out_dir, "phases.jsonl"), "a")
 
     def write(self, step: int, phase: str, what, seconds: float) -> None:
-        self._file.write(json.dumps({"step": step, "phase": phase, "what": list(what), "s": round(seconds, 4)}) + "\n")
+        self._file.write(json.dumps({"step": step, "phase": phase, "what": list(what), "s": round(seconds, 4),
+                                     "end": round(time.time(), 3)}) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -232,6 +232,9 @@ def test_colocated_roles_take_turns_with_the_device(whole):
             seq.append((p["phase"], p["what"]))
     assert steps[1] == [("offload", ["grads", "optimizer", "params"]), ("gen", [])] + TRAINING, steps[1]
     assert steps[2] == [("gen", [])] + TRAINING, steps[2]
+    # wall-clock ends (bench/core_use.py charges CPU time to phases by them): in order, no overlap
+    for before, after in zip(phases, phases[1:]):
+        assert before["end"] <= after["end"] - after["s"] + 1e-3, (before, after)
     for key in ("timing/offload", "timing/onload", "timing/engine_sleep", "timing/engine_wake"):
         assert all(r[key] > 0 for r in whole.rows), key
     assert whole.proc.stderr.count("has no sleep mode") == 1, whole.proc.stderr

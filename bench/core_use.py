@@ -1,0 +1,164 @@
+"""Cores each process of the quickstart uses in each phase of a step: what is left idle.
+
+    python bench/core_use.py [--steps 12] [--config quickstart] [--every 0.1] [key=value ...]
+
+Runs the quickstart (dynamic sampling off, no validation or checkpoints, plus any overrides) and
+reads, every `--every` s, the CPU time of every thread of every process of its tree
+(/proc/<pid>/task/<tid>/stat). The driver's `phases.jsonl` says when each phase of each step ran
+(its wall-clock end and length); every interval between two readings is charged to the phase its
+middle falls in ("between phases": the driver's own work between them). For steps 3.. it prints,
+per phase and role, the cores used (CPU seconds / wall seconds) and the threads busy (those using
+at least a quarter of a core over an interval, on average), and what the machine leaves idle.
+"""
+from __future__ import annotations
+
+import argparse
+import bisect
+import collections
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from process_memory import role  # noqa: E402  (bench scripts sit side by side, not in a package)
+
+TICK = os.sysconf("SC_CLK_TCK")
+BUSY = 0.25  # a thread is busy over an interval when it used at least this share of a core
+
+
+def thread_ticks(pid: int) -> dict[int, int]:
+    """utime + stime of each thread of `pid`, in clock ticks."""
+    out = {}
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[int(tid)] = int(fields[11]) + int(fields[12])  # fields 14, 15 of proc(5): utime, stime
+    return out
+
+
+NAMES = {"EngineActor": "engine", "TrainWorker": "training ranks", "RolloutManager": "rollout manager",
+         "python -B -c": "math-verify pool", "driver": "driver"}
+
+
+def group(name: str) -> str:
+    """Roles by their Ray actor class or executable (the reward's pool is a spawned `python -c`)."""
+    name = name.replace("ray::", "")
+    return NAMES.get(name, name)
+
+
+class Sampler(threading.Thread):
+    def __init__(self, root: int, every_s: float):
+        super().__init__(daemon=True)
+        self.root, self.every_s, self.stop = root, every_s, threading.Event()
+        self.names: dict[int, str] = {}
+        self.samples: list[tuple[float, dict[int, dict[int, int]]]] = []  # (time, pid -> tid -> ticks)
+        self.cpu_s = 0.0
+
+    def run(self) -> None:
+        while not self.stop.wait(self.every_s):
+            try:
+                procs = [psutil.Process(self.root)] + psutil.Process(self.root).children(recursive=True)
+            except psutil.Error:
+                return
+            now = time.time()
+            reading = {}
+            for p in procs:
+                reading[p.pid] = thread_ticks(p.pid)
+                name = role(p)
+                if name not in ("ray::IDLE", "?") or p.pid not in self.names:
+                    self.names[p.pid] = name
+            self.samples.append((now, reading))
+        self.cpu_s = time.thread_time()
+
+
+def phase_spans(path: str, first_step: int) -> tuple[list[float], list[tuple[float, str]]]:
+    """Sorted phase starts and their (end, name), from phases.jsonl, steps >= first_step."""
+    spans = sorted((r["end"] - r["s"], r["end"], r["phase"]) for r in map(json.loads, open(path))
+                   if r["step"] >= first_step)
+    return [s for s, _, _ in spans], [(e, name) for _, e, name in spans]
+
+
+def charge(sampler: Sampler, starts, spans, first_t: float, last_t: float):
+    """phase -> group -> [cpu seconds, busy-thread seconds], and phase -> wall seconds."""
+    cpu = collections.defaultdict(lambda: collections.defaultdict(lambda: [0.0, 0.0]))
+    wall = collections.defaultdict(float)
+    for (t0, before), (t1, after) in zip(sampler.samples, sampler.samples[1:]):
+        mid, dt = (t0 + t1) / 2, t1 - t0
+        if not first_t <= mid <= last_t:
+            continue
+        i = bisect.bisect_right(starts, mid) - 1
+        phase = spans[i][1] if i >= 0 and mid <= spans[i][0] else "between phases"
+        wall[phase] += dt
+        for pid, ticks in after.items():
+            g = group(sampler.names.get(pid, "?"))
+            for tid, n in ticks.items():
+                used = (n - before.get(pid, {}).get(tid, n)) / TICK
+                cpu[phase][g][0] += used
+                cpu[phase][g][1] += dt if used >= BUSY * dt else 0.0
+    return cpu, wall
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--config", default="quickstart")
+    p.add_argument("--every", type=float, default=0.1)
+    p.add_argument("overrides", nargs="*")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", args.config,
+               "algorithm.filter_groups.enable=false", f"trainer.total_training_steps={args.steps}",
+               "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
+               "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", "trainer.resume_mode=disable",
+               *args.overrides]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        sampler = Sampler(proc.pid, args.every)
+        sampler.start()
+        _, err = proc.communicate(timeout=1800)
+        sampler.stop.set()
+        sampler.join()
+        if proc.returncode:
+            raise SystemExit(f"the quickstart failed:\n{err[-3000:]}")
+        starts, spans = phase_spans(os.path.join(out, "phases.jsonl"), first_step=3)
+    cpu, wall = charge(sampler, starts, spans, starts[0], spans[-1][0])
+    cores = len(os.sched_getaffinity(0))
+    # roles that never use a tenth of a core in any phase share one column
+    peak = collections.defaultdict(float)
+    for phase, by in cpu.items():
+        for g, (c, _) in by.items():
+            peak[g] = max(peak[g], c / wall[phase])
+    for phase, by in cpu.items():
+        for g in [g for g in by if peak[g] < 0.1]:
+            c, b = by.pop(g)
+            by["others"][0] += c
+            by["others"][1] += b
+    groups = sorted({g for by in cpu.values() for g in by}, key=lambda g: (g == "others", g))
+    total_wall = sum(wall.values())
+    print(f"\n{args.config}: cores used by role in each phase, steps 3..{args.steps}, {cores} cores, "
+          f"readings every {args.every} s; overrides: {' '.join(args.overrides) or 'none'}")
+    print("each cell: cores used (threads busy); idle = the cores the machine has less all used")
+    print("| phase | share of the wall | " + " | ".join(groups) + " | all | idle |\n|" + "---|" * (len(groups) + 4))
+    for phase in sorted(wall, key=lambda ph: -wall[ph]):
+        w = wall[phase]
+        used = sum(c for c, _ in cpu[phase].values()) / w
+        row = " | ".join(f"{cpu[phase][g][0] / w:.2f} ({cpu[phase][g][1] / w:.1f})" for g in groups)
+        print(f"| {phase} | {w / total_wall:.0%} | {row} | {used:.2f} | {max(0.0, cores - used):.2f} |")
+    span = sampler.samples[-1][0] - sampler.samples[0][0]
+    print(f"(the sampler itself, not counted above: {sampler.cpu_s / span:.2f} cores)")
+
+
+if __name__ == "__main__":
+    main()
