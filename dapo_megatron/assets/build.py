@@ -23,6 +23,7 @@ import shutil
 import sys
 import tempfile
 import time
+import warnings
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable
@@ -108,11 +109,10 @@ def build_tool_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, f
 def build_vl_task_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, warmup_steps: int | None = None,
                          force: bool = False, log: Callable[[str], None] = print) -> Path:
     """The VL bundle (assets/vl.py) into `out_dir`, atomically, like `build_assets`.
-    warmup_steps: the warm-up's step cap (default vl.WARMUP_STEPS; 0: the random-init model)."""
+    warmup_steps: the warm-up's steps (default vl.WARMUP_STEPS; 0: the random-init model)."""
     from dapo_megatron.assets import vl
     steps = vl.WARMUP_STEPS if warmup_steps is None else warmup_steps
-    want = {"asset_version": vl.VL_VERSION, "seed": seed, "warmup_steps": steps,
-            "target_accuracy": vl.TARGET_ACCURACY}
+    want = {"asset_version": vl.VL_VERSION, "seed": seed, "warmup_steps": steps}
 
     def build(tmp: Path) -> dict[str, Any]:
         with _quiet_progress_bars():
@@ -158,14 +158,22 @@ def resolve_asset_path(path: str) -> str:
     name = path[len(TINY_SCHEME):]
     root = default_asset_dir()
     if name.split("/")[0] == TOOLS_DIR:  # the tool task's bundle, built apart on its own first use
-        root, name = tool_asset_dir(), name[len(TOOLS_DIR) + 1:]
+        root, name, bundle, version = tool_asset_dir(), name[len(TOOLS_DIR) + 1:], "tools", tools.TOOLS_VERSION
         build = lambda: build_tool_assets(root, log=lambda _msg: None)  # noqa: E731
     elif name.split("/")[0] in VL_NAMES:  # the VL bundle: its names are its own dirs
-        root = vl_asset_dir()
+        from dapo_megatron.assets.vl import VL_VERSION as version
+        root, bundle = vl_asset_dir(), "vl"
         build = lambda: build_vl_task_assets(root, log=lambda _msg: None)  # noqa: E731
     else:
+        version, bundle = ASSET_VERSION, "text"
         build = lambda: build_assets(root, log=lambda _msg: None)  # noqa: E731
-    if read_manifest(root) is None:
+    manifest = read_manifest(root)
+    if manifest is not None and manifest.get("asset_version") != version:
+        # kept, not rebuilt: another run may be training from it (rebuilding is asked for, --force)
+        warnings.warn(f"the tiny assets in {root} are {manifest.get('asset_version')}, this checkout's recipe is "
+                      f"{version}: rebuild them with `python -m dapo_megatron.assets build --bundle {bundle} "
+                      f"--out {root} --force` for the figures the README gives", stacklevel=2)
+    if manifest is None:
         print(f"dapo-megatron: {path} is used for the first time: building the tiny assets in {root} (1-4 "
               f"minutes on 2 CPU cores, once; set ${ASSETS_ENV} to put them elsewhere)", file=sys.stderr, flush=True)
         start = time.perf_counter()
