@@ -209,6 +209,26 @@ def _trainer_mode(value: str) -> list[str]:
     return ["trainer.mode=sync"]
 
 
+# The policy lag here: 0 (trainer.mode=sync) or 1 (one_step_off; verl's trainer_mode maps to sync
+# only), so verl's V1 bound on it is met for any bound and its strategy for stale batches never acts.
+def _lag_bound(value: str) -> list[str]:
+    if _number(_bare(value)) is None or _number(_bare(value)) < 0:
+        raise ValueError(f"trainer.v1.sampler.max_off_policy_threshold={_bare(value)} is not a number of policy "
+                         "versions >= 0")
+    return []
+
+
+def _lag_strategy(value: str) -> list[str]:
+    if _bare(value).lower() not in ("drop", "wait"):
+        raise ValueError(f"trainer.v1.sampler.max_off_policy_strategy={_bare(value)} is not drop or wait")
+    return []
+
+
+_FULLY_ASYNC = ("verl's fully asynchronous mode (rollouts more than one weight push behind, partial rollouts "
+                "across pushes) is not built; the overlap here is trainer.mode=one_step_off with "
+                "trainer.placement=split (the next batch generates while this one trains, one push behind)")
+
+
 # verl key -> its value mapped to our overrides (a ValueError refuses the value).
 VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     _A + "use_token_level_loss": _token_level_loss,
@@ -237,6 +257,8 @@ VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     **{_A + home + "router_replay.mode": _router_replay for home in ("", "megatron.", "mindspeed.")},
     "trainer.v1.trainer_mode": _trainer_mode,
     "trainer.use_v1": lambda v: [],  # which loop verl runs; ours is trainer.mode (v1.trainer_mode's)
+    "trainer.v1.sampler.max_off_policy_threshold": _lag_bound,
+    "trainer.v1.sampler.max_off_policy_strategy": _lag_strategy,
 }
 # Rules whose outcome must win over a key they override (Hydra keeps the last value).
 LATE = (_RO + "val_kwargs.do_sample", "data.filter_overlong_prompts")
@@ -338,6 +360,8 @@ UNSUPPORTED: list[tuple[re.Pattern, str]] = [(re.compile(rx), why) for rx, why i
     (r"^actor_rollout_ref\.actor\.megatron\.override_transformer_config\.num_layers_in_(first|last)_pipeline_stage$",
      "uneven pipeline stages are not supported; choose actor.parallel.pp dividing the layer count "
      "(or actor.parallel.vpp)"),
+    (r"^async_training\..*$|^trainer\.v1\.separate_async\..*$|^rollout\.(nnodes|n_gpus_per_node|total_rollout_steps)$|"
+     r"^algorithm\.filter_groups\.max_inflight_gen_batches$", _FULLY_ASYNC),
     (r"^actor_rollout_ref\.model\.override_config\..*$",
      "model config overrides other than zero dropout and max_position_embeddings are not applied; edit the "
      "model's config.json instead"),
@@ -364,7 +388,7 @@ def _first(table: list[tuple[re.Pattern, str]], key: str) -> str | None:
 
 def is_verl_key(key: str) -> bool:
     return (key.startswith(_VERL_ONLY_PREFIXES) or key in RENAMES or key in VALUE_RULES or key in FIXED_VALUES
-            or key in SAME_AS or _first(IGNORED, key) is not None)
+            or key in SAME_AS or _first(IGNORED, key) is not None or _first(UNSUPPORTED, key) is not None)
 
 
 def _resolve_one(key: str, value: str) -> Outcome:

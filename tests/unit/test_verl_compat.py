@@ -100,6 +100,8 @@ TRANSLATED = [
     (["++transfer_queue.enable=True"], "data_plane.backend", "transfer_queue"),
     (["actor_rollout_ref.rollout.ignore_eos=True"], "rollout.ignore_eos", True),
     (["+trainer.use_v1=True", "+trainer.v1.trainer_mode=sync"], "trainer.mode", "sync"),
+    (["+trainer.v1.sampler.max_off_policy_threshold=2", "+trainer.v1.sampler.max_off_policy_strategy=drop"],
+     "trainer.mode", "sync"),
 ]
 
 
@@ -206,6 +208,14 @@ REFUSED = [
     (["++transfer_queue.enable=False"], "data plane"),
     (["+trainer.v1.trainer_mode=separate_async"], "trainer.mode=one_step_off"),
     (["+trainer.v1.trainer_mode=colocate_async"], "trainer.placement=split"),
+    (["+trainer.v1.sampler.max_off_policy_threshold=-1"], "policy versions >= 0"),
+    (["+trainer.v1.sampler.max_off_policy_strategy=keep"], "drop or wait"),
+    (["+trainer.v1.separate_async.parameter_sync_step=2"], "trainer.mode=one_step_off"),
+    (["+async_training.staleness_threshold=0.5"], "fully asynchronous mode"),
+    (["+async_training.partial_rollout=True"], "trainer.placement=split"),
+    (["+rollout.nnodes=1"], "trainer.mode=one_step_off"),
+    (["+rollout.total_rollout_steps=1000"], "trainer.mode=one_step_off"),
+    (["algorithm.filter_groups.max_inflight_gen_batches=2"], "trainer.mode=one_step_off"),
 ]
 
 
