@@ -17,16 +17,12 @@ import bisect
 import collections
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 
-import psutil
-
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from process_memory import role  # noqa: E402  (bench scripts sit side by side, not in a package)
+from process_memory import TreeSampler, run_sampled  # noqa: E402  (bench scripts sit side by side, not in a package)
 
 TICK = os.sysconf("SC_CLK_TCK")
 BUSY = 0.25  # a thread is busy over an interval when it used at least this share of a core
@@ -59,28 +55,16 @@ def group(name: str) -> str:
     return NAMES.get(name, name)
 
 
-class Sampler(threading.Thread):
+class Sampler(TreeSampler):
     def __init__(self, root: int, every_s: float):
-        super().__init__(daemon=True)
-        self.root, self.every_s, self.stop = root, every_s, threading.Event()
-        self.names: dict[int, str] = {}
+        super().__init__(root, every_s)
         self.samples: list[tuple[float, dict[int, dict[int, int]]]] = []  # (time, pid -> tid -> ticks)
-        self.cpu_s = 0.0
+
+    def read(self, procs) -> None:
+        self.samples.append((time.time(), {p.pid: thread_ticks(p.pid) for p in procs}))
 
     def run(self) -> None:
-        while not self.stop.wait(self.every_s):
-            try:
-                procs = [psutil.Process(self.root)] + psutil.Process(self.root).children(recursive=True)
-            except psutil.Error:
-                return
-            now = time.time()
-            reading = {}
-            for p in procs:
-                reading[p.pid] = thread_ticks(p.pid)
-                name = role(p)
-                if name not in ("ray::IDLE", "?") or p.pid not in self.names:
-                    self.names[p.pid] = name
-            self.samples.append((now, reading))
+        super().run()
         self.cpu_s = time.thread_time()
 
 
@@ -119,19 +103,7 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", args.config,
-               "algorithm.filter_groups.enable=false", f"trainer.total_training_steps={args.steps}",
-               "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
-               "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", "trainer.resume_mode=disable",
-               *args.overrides]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        sampler = Sampler(proc.pid, args.every)
-        sampler.start()
-        _, err = proc.communicate(timeout=1800)
-        sampler.stop.set()
-        sampler.join()
-        if proc.returncode:
-            raise SystemExit(f"the quickstart failed:\n{err[-3000:]}")
+        sampler = run_sampled(args.config, args.steps, args.overrides, out, lambda pid: Sampler(pid, args.every))
         starts, spans = phase_spans(os.path.join(out, "phases.jsonl"), first_step=3)
     cpu, wall = charge(sampler, starts, spans, starts[0], spans[-1][0])
     cores = len(os.sched_getaffinity(0))

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Callable
 
 import psutil
 
@@ -55,13 +56,17 @@ def role(proc: psutil.Process) -> str:
     return " ".join(os.path.basename(c) for c in cmd[:3])[:60] if cmd else "?"
 
 
-class Sampler(threading.Thread):
-    def __init__(self, root: int, every_s: float = 0.5):
+class TreeSampler(threading.Thread):
+    """Every `every_s` s, `read(procs)` on the processes of the tree under `root`; `names`: pid ->
+    the most specific role seen (not ray::IDLE)."""
+
+    def __init__(self, root: int, every_s: float):
         super().__init__(daemon=True)
         self.root, self.every_s, self.stop = root, every_s, threading.Event()
-        self.peak = collections.defaultdict(float)  # pid -> peak PSS (MB)
-        self.names: dict[int, str] = {}  # pid -> the most specific role seen (not ray::IDLE)
-        self.peak_sum = 0.0
+        self.names: dict[int, str] = {}
+
+    def read(self, procs: list[psutil.Process]) -> None:
+        raise NotImplementedError
 
     def run(self) -> None:
         while not self.stop.wait(self.every_s):
@@ -69,15 +74,45 @@ class Sampler(threading.Thread):
                 procs = [psutil.Process(self.root)] + psutil.Process(self.root).children(recursive=True)
             except psutil.Error:
                 return
-            total = 0.0
+            self.read(procs)
             for p in procs:
-                mb = pss_mb(p.pid)
-                total += mb
-                self.peak[p.pid] = max(self.peak[p.pid], mb)
                 name = role(p)
                 if name not in ("ray::IDLE", "?") or p.pid not in self.names:
                     self.names[p.pid] = name
-            self.peak_sum = max(self.peak_sum, total)
+
+
+class Sampler(TreeSampler):
+    def __init__(self, root: int, every_s: float = 0.5):
+        super().__init__(root, every_s)
+        self.peak = collections.defaultdict(float)  # pid -> peak PSS (MB)
+        self.peak_sum = 0.0
+
+    def read(self, procs: list[psutil.Process]) -> None:
+        total = 0.0
+        for p in procs:
+            mb = pss_mb(p.pid)
+            total += mb
+            self.peak[p.pid] = max(self.peak[p.pid], mb)
+        self.peak_sum = max(self.peak_sum, total)
+
+
+def run_sampled(config: str, steps: int, overrides: list[str], out: str, sampler: Callable[[int], TreeSampler]
+                ) -> TreeSampler:
+    """The quickstart as `config` (dynamic sampling off, no validation or checkpoints, plus
+    `overrides`) into `out`, with `sampler(its pid)` reading its process tree meanwhile."""
+    cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", config,
+           "algorithm.filter_groups.enable=false", f"trainer.total_training_steps={steps}",
+           "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
+           "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", "trainer.resume_mode=disable", *overrides]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    reader = sampler(proc.pid)
+    reader.start()
+    _, err = proc.communicate(timeout=1800)
+    reader.stop.set()
+    reader.join()
+    if proc.returncode:
+        raise SystemExit(f"the quickstart failed:\n{err[-3000:]}")
+    return reader
 
 
 def main() -> None:
@@ -86,20 +121,9 @@ def main() -> None:
     p.add_argument("--config", default="quickstart")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
+    t0 = time.time()
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", args.config,
-               "algorithm.filter_groups.enable=false", f"trainer.total_training_steps={args.steps}",
-               "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
-               "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", "trainer.resume_mode=disable",
-               *args.overrides]
-        t0 = time.time()
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        sampler = Sampler(proc.pid)
-        sampler.start()
-        _, err = proc.communicate(timeout=1800)
-        sampler.stop.set()
-        if proc.returncode:
-            raise SystemExit(f"the quickstart failed:\n{err[-3000:]}")
+        sampler = run_sampled(args.config, args.steps, args.overrides, out, Sampler)
     by_role = collections.defaultdict(list)
     for pid, mb in sampler.peak.items():
         by_role[sampler.names[pid]].append(mb)
