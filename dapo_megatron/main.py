@@ -17,6 +17,7 @@ from dapo_megatron.config import ConfigError, DapoConfig, check_path, load_confi
 from dapo_megatron.logs import LOGS
 
 EXIT_BAD_INPUT = 2
+EXIT_ROLE_DIED = 1  # a role died and trainer.max_restarts allowed no (more) restarts
 
 # Python modules each part needs -> the install step that provides them.
 REQUIRED_MODULES = {
@@ -80,6 +81,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_BAD_INPUT
     from dapo_megatron.data.dataset import DataError
     from dapo_megatron.driver.loop import run
+    from dapo_megatron.roles import RoleDied
     from dapo_megatron.weights.hf_io import CheckpointError
     try:
         return run(cfg)
@@ -88,6 +90,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, CheckpointError, DataError) as exc:
         print(f"error: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except RoleDied as exc:  # restarts spent (trainer.max_restarts): what died is the message
+        print(f"error: {exc}\nlibrary output of the training ranks and engines: "
+              f"{os.path.join(cfg.trainer.default_local_dir, LOGS)}/", file=sys.stderr)
+        return EXIT_ROLE_DIED
     except BaseException:
         # The traceback names the failing role; what its libraries printed is in the run folder.
         print(f"library output of the training ranks and engines: {os.path.join(cfg.trainer.default_local_dir, LOGS)}/",

@@ -7,13 +7,22 @@ from typing import Callable
 import ray
 
 
+class RoleDied(RuntimeError):
+    """A role's process is gone (killed, OOM, a crashed library): the run restarts from its last
+    checkpoint (trainer.max_restarts) or stops with this message."""
+
+
+def died(role: str, exc: Exception) -> RoleDied:
+    return RoleDied(f"the {role} died: {str(exc).splitlines()[0].rstrip('.')}; restart the run, it resumes "
+                    f"from the last checkpoint (trainer.resume_mode=auto)")
+
+
 def as_role(role: str, fn: Callable, *args):
-    """Run `fn` (which calls `role`); a dead Ray actor becomes one RuntimeError naming the role."""
+    """Run `fn` (which calls `role`); a dead Ray actor becomes one RoleDied naming the role."""
     try:
         return fn(*args)
     except ray.exceptions.RayActorError as exc:
-        raise RuntimeError(f"the {role} died: {str(exc).splitlines()[0]}; restart the run, it resumes "
-                           f"from the last checkpoint (trainer.resume_mode=auto)") from None
+        raise died(role, exc) from None
 
 
 def get(role: str, refs):

@@ -233,6 +233,9 @@ class TrainerConfig:
     test_freq: int = -1
     val_before_train: bool = True
     resume_mode: str = "auto"  # auto | disable | <path to a step folder>
+    # A role that dies (a training rank, the rollout manager, an engine) restarts the whole run in
+    # this job from its last checkpoint, this many times; 0: the run stops with the role's error.
+    max_restarts: int = 0
     max_checkpoints_to_keep: int = 2
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
     logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])

@@ -99,6 +99,8 @@ def _check_positive(cfg: DapoConfig) -> None:
     _require(steps is None or steps > 0, "trainer.total_training_steps",
              f"trainer.total_training_steps must be positive or null, got {steps}")
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "reward.timeout_s must be positive")
+    _require(cfg.trainer.max_restarts >= 0, "trainer.max_restarts",
+             f"trainer.max_restarts must be >= 0 (0: a dead role stops the run), got {cfg.trainer.max_restarts}")
     _require(cfg.data_plane.capacity >= 0, "data_plane.capacity",
              f"data_plane.capacity must be 0 (unlimited) or a number of samples, got {cfg.data_plane.capacity}")
     if cfg.rollout.multi_turn.enable:

@@ -8,6 +8,7 @@ tokens go from the engines into the data plane, and the training ranks read thei
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import signal
 import threading
@@ -23,7 +24,8 @@ from dapo_megatron.algo import compute_grpo_advantages
 from dapo_megatron.config import DapoConfig
 from dapo_megatron.driver import setup
 from dapo_megatron.driver.colocate import TimeShare
-from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog
+from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, write_event
+from dapo_megatron.logs import LOGS
 
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group before giving up
@@ -58,6 +60,7 @@ class Run:
     timing: dict = field(default_factory=dict)
     # trainer.mode=one_step_off: the batch the engines generate while this step trains
     pending: Optional["Request"] = None
+    checkpoint: Optional[str] = None  # the newest this run saved or resumed from (a restart's)
 
     @contextlib.contextmanager
     def timed(self, name: str, what=()):
@@ -163,12 +166,50 @@ def _batch_metrics(step, metrics: dict, resident_bytes: int) -> dict:
 
 
 def run(cfg: DapoConfig) -> int:
+    """The run; when a role dies, restarted in this process from its last checkpoint up to
+    trainer.max_restarts times (Megatron's groups cannot take a new rank in: everything restarts,
+    as a person would, minus the person). Each restart is a line of <run dir>/events.jsonl."""
+    limit, restarts = cfg.trainer.max_restarts, 0
+    while True:
+        try:
+            return _run(cfg)
+        except roles.RoleDied as died:
+            if restarts == limit and limit:
+                raise roles.RoleDied(f"{died} (trainer.max_restarts={limit}: every restart spent)") from None
+            if restarts == limit:
+                raise
+            restarts += 1
+            what, checkpoint = str(died).split("; restart the run")[0], getattr(died, "checkpoint", None)
+            print(f"{what}: restart {restarts} of trainer.max_restarts={limit}, from {checkpoint or 'the start'} "
+                  f"(the dead role's output stays in {os.path.join(cfg.trainer.default_local_dir, LOGS)}/)",
+                  flush=True)
+            write_event(cfg.trainer.default_local_dir, "restart", what=what, step=getattr(died, "step", 0),
+                        checkpoint=checkpoint, restart=restarts)
+            if checkpoint:  # this run's own newest checkpoint, whatever resume_mode found at start
+                cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume_mode=checkpoint))
+
+
+def _run(cfg: DapoConfig) -> int:
     ctx = setup.prepare(cfg)
     setup.write_config(cfg, ctx.out_dir)
     logger = MetricsLogger(ctx.out_dir, cfg.trainer.logger, project=cfg.trainer.project_name,
                            experiment=cfg.trainer.experiment_name)
     run_ = Run(cfg, ctx, logger, TimeShare.from_config(cfg, ctx.train, ctx.engines), PhaseLog(ctx.out_dir))
     signal.signal(signal.SIGTERM, lambda *_: setattr(run_, "stop_requested", True))
+    try:
+        return _loop(run_)
+    except roles.RoleDied as died:
+        # what a restart resumes from; the roles left go with this Ray (a rank whose peer died waits
+        # in a collective until dist_timeout_s: nothing of it can be saved)
+        died.checkpoint, died.step = run_.checkpoint, run_.step
+        run_.phases.close()
+        run_.logger.close()
+        ray.shutdown()
+        raise
+
+
+def _loop(run_: Run) -> int:
+    cfg, ctx = run_.cfg, run_.ctx
     setup.resume(run_)
     run_.share.start(run_)
     if cfg.trainer.val_before_train and run_.step == 0:

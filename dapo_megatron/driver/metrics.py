@@ -93,12 +93,17 @@ class MetricsLogger:
         import matplotlib.pyplot as plt
         rows = self.history()
         path = path or os.path.join(self.out_dir, "curves.png")
+        events = os.path.join(self.out_dir, "events.jsonl")
+        events = [json.loads(line) for line in open(events)] if os.path.exists(events) else []
         fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(4 * len(PLOT_PANELS), 3.2))
         for ax, (title, keys) in zip(axes, PLOT_PANELS.items()):
             for key in keys:
                 points = [(r["step"], r[key]) for r in rows if key in r]
                 if points:
                     ax.plot(*zip(*points), marker=".", label=key)
+            for i, e in enumerate(events):  # during the step after the last one logged before it
+                ax.axvline(e["step"] + 0.5, color="red", linestyle="--", linewidth=0.8,
+                           label=e["event"] if i == 0 else None)
             ax.set_title(title)
             ax.set_xlabel("step")
             if ax.get_legend_handles_labels()[0]:
@@ -115,6 +120,14 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def write_event(out_dir: str, event: str, **fields) -> None:
+    """One line of `<run dir>/events.jsonl`: what happened to the run besides its steps (a role
+    died and the run restarted), with its wall-clock time; curves.png marks them."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "events.jsonl"), "a") as f:
+        f.write(json.dumps({"event": event, "time": round(time.time(), 3), **fields}) + "\n")
 
 
 class PhaseLog:

@@ -219,6 +219,7 @@ def save(run) -> None:
     ctx = run.ctx
     path = as_role("actor", ctx.train.save, os.path.join(ctx.out_dir, "checkpoints"), run.step, trainer_state(run),
                    run.cfg.trainer.max_checkpoints_to_keep)
+    run.checkpoint = path
     run.logger.plot()
     print(f"saved {path}", flush=True)
 
@@ -233,7 +234,7 @@ def resume(run) -> None:
         state = as_role("actor", run.ctx.train.load, path)
     except CheckpointError as exc:  # raised in a training rank; Ray wraps it with its traceback
         raise CheckpointError(str(getattr(exc, "cause", None) or exc)) from None
-    run.step, run.syncs = state["step"], state["syncs"]
+    run.step, run.syncs, run.checkpoint = state["step"], state["syncs"], path
     roles.get("rollout manager", run.ctx.manager.load_state_dict.remote(state))
     sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync,
                  verify=run.cfg.rollout.sync.verify_every > 0)  # engines start from the HF weights

@@ -14,7 +14,7 @@ from typing import Optional
 
 import ray
 
-from dapo_megatron import dataplane
+from dapo_megatron import dataplane, roles
 from dapo_megatron.batch import READ_BY_LOGPROBS, READ_BY_UPDATE, RolloutBatch, read_by, unpad_positions
 from dapo_megatron.config.schema import DapoConfig
 from dapo_megatron.logs import redirect_output
@@ -22,6 +22,10 @@ from dapo_megatron.models import ModelSpec
 from dapo_megatron.parallel import coords, free_port
 from dapo_megatron.train.logprobs import Rows, assemble
 from dapo_megatron.weights.transport import TRANSPORTS
+
+# How long a rank's failed call waits for word of a dead peer: its collective failed because a peer
+# died, and Ray reports the death a moment later (then the error names the dead rank, not the symptom).
+DEATH_GRACE_S = 5.0
 
 
 
@@ -205,6 +209,26 @@ class TrainGroup:
         self.workers = workers
 
     def _all(self, calls: list):
+        """ray.get of one call per rank, naming a rank that died. Ray's get waits for the live
+        ranks' calls first, and those may sit in a collective with the dead one until
+        trainer.dist_timeout_s; or they fail first, a moment before Ray reports the death."""
+        pending = list(calls)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(done)
+            except ray.exceptions.RayActorError as exc:
+                raise roles.died(f"training rank {calls.index(done[0])}", exc) from None
+            except ray.exceptions.RayTaskError as error:
+                late, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S)
+                for ref in late:
+                    try:
+                        ray.get(ref)
+                    except ray.exceptions.RayActorError as exc:
+                        raise roles.died(f"training rank {calls.index(ref)}", exc) from None
+                    except ray.exceptions.RayTaskError:
+                        pass
+                raise error
         return ray.get(calls)
 
     def setup(self, total_steps: int) -> dict:

@@ -11,11 +11,15 @@ The chunked run also takes the SIGTERM a scheduler sends: it saves the step in f
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -352,30 +356,61 @@ def _job_submit(overrides, env) -> subprocess.CompletedProcess:
         subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
 
+@contextlib.contextmanager
+def _kill_first(title: str):
+    """kill -9 the first process whose title starts with `title` (a Ray actor running that method,
+    e.g. `ray::TrainWorker.step_update`) and that started after the block did (a killed driver's
+    ranks may still be in that method), found while the block runs; yields the pids killed."""
+    import psutil
+    killed, stop, start = [], threading.Event(), time.time()
+
+    def watch():
+        while not stop.is_set():
+            for proc in psutil.process_iter(["cmdline", "create_time"]):
+                if " ".join(proc.info["cmdline"] or []).startswith(title) and proc.info["create_time"] > start:
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed.append(proc.pid)
+                    return
+            stop.wait(0.05)
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield killed
+    finally:
+        stop.set()
+        watcher.join()
+
+
 def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets, long_prompts, capsys):
     """The restarts a user makes, on tp2's run (stopped by its dead engine in step 2, step 1
     saved): resumed in early-stop mode (aborts push prompts back to the stream) and killed -9
     while the ranks update step 3; resumed to the end as multi-node users run it (`ray start
-    --head`, `ray job submit`: the driver finds the cluster through RAY_ADDRESS); then one flipped
-    bit in the newest checkpoint stops the next resume with one line naming the file. No step is
-    lost or repeated, and the prompt stream is exactly where each crashed step had found it. The
-    data plane needs nothing from the checkpoint: a restarted run regenerates the step."""
+    --head`, `ray job submit`: the driver finds the cluster through RAY_ADDRESS), where a training
+    rank is killed -9 in its update and the run restarts itself from step 2's checkpoint
+    (trainer.max_restarts); then one flipped bit in the newest checkpoint stops the next resume
+    with one line naming the file. No step is lost or repeated, and the prompt stream is exactly
+    where each crashed step had found it. The data plane needs nothing from the checkpoint: a
+    restarted run regenerates the step."""
     import ray
 
     from dapo_megatron.driver.loop import KILL_AT
     from dapo_megatron.main import main
     out = tp2_killed.out
-    early_stop = {"algorithm.filter_groups.mode": "early_stop", "trainer.test_freq": 0}
+    early_stop = {"algorithm.filter_groups.mode": "early_stop", "trainer.test_freq": 0, "trainer.max_restarts": 1}
     overrides = _overrides(tiny_assets, out, 3, **long_prompts, **TP2, **early_stop)
     env = {k: v for k, v in os.environ.items() if k != KILL_AT}
     env["RAY_ADDRESS"] = ""  # the killed run starts a local Ray of its own
     killed = _main(overrides, {**env, KILL_AT: "update:3"})
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert [r["step"] for r in _rows(out)] == [1, 2]
-    job = _job_submit(overrides, env)
+    with _kill_first("ray::TrainWorker.step_update") as ranks_killed:  # step 3's update, in the job
+        job = _job_submit(overrides, env)
     logs = job.stdout + job.stderr
-    assert job.returncode == 0, logs[-3000:]
+    assert job.returncode == 0 and len(ranks_killed) == 1, logs[-3000:]
     assert "succeeded" in logs and "resumed from" in logs and "step_2" in logs and "step 3:" in logs, logs[-3000:]
+    assert re.search(r"the training rank \d died: .*: restart 1 of trainer.max_restarts=1, from \S*step_2", logs), logs[-3000:]
+    (event,) = [json.loads(line) for line in open(out / "events.jsonl")]
+    assert (event["event"], event["step"], event["checkpoint"]) == ("restart", 2, str(out / "checkpoints" / "step_2"))
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]
     # Each step took exactly the prompts it scored from the stream (aborted ones went back), across

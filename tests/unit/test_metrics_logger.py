@@ -32,3 +32,17 @@ def test_wandb_missing_is_a_warning(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes `import wandb` raise ImportError
     with pytest.warns(UserWarning, match="wandb"):
         MetricsLogger(str(tmp_path), ["wandb"]).close()
+
+
+def test_curves_mark_the_runs_events(tmp_path):
+    """A restart (events.jsonl) is a dashed line on every panel of curves.png."""
+    from dapo_megatron.driver.metrics import write_event
+    log = MetricsLogger(str(tmp_path), ["jsonl"])
+    for step in range(1, 5):
+        log.log(step, {"reward/mean": 0.1 * step, "acc/mean": 0.5})
+    plain = open(log.plot(), "rb").read()
+    write_event(str(tmp_path), "restart", what="the actor died", step=2, checkpoint=None, restart=1)
+    marked = open(log.plot(), "rb").read()
+    log.close()
+    assert json.loads(open(tmp_path / "events.jsonl").read())["step"] == 2
+    assert marked != plain and marked[:8] == b"\x89PNG\r\n\x1a\n"

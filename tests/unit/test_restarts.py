@@ -1,0 +1,87 @@
+"""trainer.max_restarts: a dead role restarts the run from the newest checkpoint the dead attempt
+saved or resumed from, with a console line and a line of events.jsonl; spent restarts stop with the
+role's error naming the key; 0 (the default) raises today's error unchanged. The restart of real
+roles (a training rank killed -9) is tests/e2e/test_driver.py's."""
+import json
+
+import pytest
+
+from dapo_megatron import roles
+from dapo_megatron.config import ConfigError, load_config
+from dapo_megatron.driver import loop
+
+DIED = "the actor died: The actor died unexpectedly; restart the run, it resumes from the last checkpoint"
+
+
+def _cfg(tmp_path, restarts):
+    return load_config("quickstart", [f"trainer.max_restarts={restarts}", f"trainer.default_local_dir={tmp_path}"])
+
+
+def _dies(calls: list, deaths: int, checkpoint=True):
+    """A stand-in for one attempt of the run: records the resume_mode it got, dies `deaths` times."""
+    def attempt(cfg):
+        calls.append(cfg.trainer.resume_mode)
+        if len(calls) <= deaths:
+            died = roles.RoleDied(DIED)
+            died.checkpoint, died.step = (f"/run/checkpoints/step_{len(calls)}" if checkpoint else None), len(calls)
+            raise died
+        return 0
+    return attempt
+
+
+def test_a_dead_role_restarts_the_run_from_its_newest_checkpoint(tmp_path, monkeypatch, capsys):
+    calls = []
+    monkeypatch.setattr(loop, "_run", _dies(calls, 2))
+    assert loop.run(_cfg(tmp_path, 2)) == 0
+    assert calls == ["auto", "/run/checkpoints/step_1", "/run/checkpoints/step_2"]
+    events = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
+    assert [(e["event"], e["step"], e["checkpoint"], e["restart"]) for e in events] == [
+        ("restart", 1, "/run/checkpoints/step_1", 1), ("restart", 2, "/run/checkpoints/step_2", 2)]
+    assert events[0]["what"] == "the actor died: The actor died unexpectedly" and events[0]["time"] > 0
+    out = capsys.readouterr().out
+    assert ("the actor died: The actor died unexpectedly: restart 1 of trainer.max_restarts=2, from "
+            "/run/checkpoints/step_1") in out
+
+
+def test_an_attempt_that_saved_nothing_restarts_as_the_run_started(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(loop, "_run", _dies(calls, 1, checkpoint=False))
+    assert loop.run(_cfg(tmp_path, 1)) == 0
+    assert calls == ["auto", "auto"]
+
+
+def test_spent_restarts_stop_naming_the_key(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(loop, "_run", _dies(calls, 5))
+    with pytest.raises(roles.RoleDied, match=r"^the actor died: .*\(trainer.max_restarts=1: every restart spent\)$"):
+        loop.run(_cfg(tmp_path, 1))
+    assert len(calls) == 2
+
+
+def test_no_restarts_is_todays_error(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(loop, "_run", _dies(calls, 1))
+    with pytest.raises(roles.RoleDied) as err:
+        loop.run(_cfg(tmp_path, 0))
+    assert str(err.value) == DIED and calls == ["auto"] and not (tmp_path / "events.jsonl").exists()
+
+
+def test_negative_restarts_are_refused_naming_the_key(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        _cfg(tmp_path, -1)
+    assert err.value.key == "trainer.max_restarts"
+
+
+def test_the_command_says_what_died_in_one_line(tmp_path, monkeypatch, capsys):
+    """`python -m dapo_megatron.main`: a dead role with no restart left is one error line (and
+    where the roles' output is), exit code 1, not a traceback."""
+    from dapo_megatron.main import EXIT_ROLE_DIED, main
+
+    def dead(cfg):
+        raise roles.RoleDied(DIED + " (trainer.max_restarts=1: every restart spent)")
+    monkeypatch.setattr(loop, "run", dead)
+    assert main(["--config-name", "quickstart", f"trainer.default_local_dir={tmp_path}"]) == EXIT_ROLE_DIED == 1
+    err = capsys.readouterr().err.splitlines()
+    assert [line for line in err if line.startswith("error:")] == [f"error: {DIED} (trainer.max_restarts=1: every "
+                                                                   f"restart spent)"]
+    assert err[-1] == f"library output of the training ranks and engines: {tmp_path}/logs/"
