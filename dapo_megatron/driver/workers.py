@@ -28,8 +28,6 @@ from dapo_megatron.weights.transport import TRANSPORTS
 DEATH_GRACE_S = 5.0
 
 
-
-
 class TrainWorker:
     def __init__(self, cfg: DapoConfig, model_path: str, spec: ModelSpec, rank: int, world_size: int,
                  log_path: Optional[str] = None, data_plane: Optional[dataplane.Handle] = None):

@@ -1,0 +1,63 @@
+"""TrainGroup's call on every rank (driver/workers.py) over a local Ray, with stand-in ranks (Ray
+actors that return, raise or exit, not Megatron ranks): a rank that died is named as a RoleDied
+even when a live rank's call fails first (its collective lost the peer) or would still run; a
+rank's own error is raised as itself, also when it is the last call to end."""
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from dapo_megatron import roles
+from dapo_megatron.driver import workers
+from dapo_megatron.driver.workers import TrainGroup
+
+
+def _stand_in_rank():
+    # defined in a function: Ray pickles it by value (workers cannot import this test module)
+    class StandInRank:
+        def act(self, what: str, after_s: float):
+            time.sleep(after_s)
+            if what == "die":
+                os._exit(1)
+            if what == "raise":
+                raise ValueError("rank error")
+            return what
+    return StandInRank
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def _call(ray, plan):
+    ranks = [ray.remote(_stand_in_rank()).options(num_cpus=0).remote() for _ in plan]
+    group = TrainGroup(ranks)
+    return group._all([r.act.remote(what, after) for r, (what, after) in zip(ranks, plan)])
+
+
+def test_a_dead_rank_is_named_while_a_live_one_still_runs(ray_local):
+    t0 = time.perf_counter()
+    with pytest.raises(roles.RoleDied, match=r"^the training rank 1 died: "):
+        _call(ray_local, [("ok", 30.0), ("die", 0.2)])
+    assert time.perf_counter() - t0 < 20  # not after rank 0's 30 s (Ray's get would wait for it)
+
+
+def test_a_dead_rank_is_named_when_its_peers_error_comes_first(ray_local, monkeypatch):
+    monkeypatch.setattr(workers, "DEATH_GRACE_S", 10.0)
+    with pytest.raises(roles.RoleDied, match=r"^the training rank 1 died: "):
+        _call(ray_local, [("raise", 0.0), ("die", 1.0)])
+
+
+def test_a_ranks_own_error_is_itself_also_from_the_last_call(ray_local, monkeypatch):
+    monkeypatch.setattr(workers, "DEATH_GRACE_S", 0.5)
+    with pytest.raises(ValueError, match="rank error"):
+        _call(ray_local, [("ok", 0.0), ("raise", 0.5)])
+    with pytest.raises(ValueError, match="rank error"):
+        _call(ray_local, [("raise", 0.0), ("ok", 0.2)])
+    assert _call(ray_local, [("ok", 0.0), ("fine", 0.1)]) == ["ok", "fine"]
