@@ -1,75 +1,123 @@
-"""Data-plane memory over a long run: what TransferQueue holds and what its processes use.
+"""Memory over a long run: what the data plane holds, and every process's RSS step by step.
 
-    python bench/data_plane_memory.py [--steps 200] [--every 20]
+    python bench/data_plane_memory.py [--steps 2000] [--every 200] [--after 100] [--plot PATH] [key=value ...]
 
-Runs the quickstart for `--steps` steps (no validation, no checkpoints) while a thread samples the
-resident memory (RSS) of the TransferQueue controller and storage-unit processes. Prints, every
-`--every` steps: `data_plane/resident_mb` (bytes still stored after the step's clear: 0 when
-every step's rows were cleared), the storage units' and controller's RSS, and the step time.
-Flat RSS after the first steps means nothing accumulates.
+Runs the quickstart as a user does (`python -m dapo_megatron.main`, dynamic sampling on; no
+validation or checkpoints) and samples every 2 s the resident memory (RSS) of each role of its
+process tree: the driver, the rollout manager, TransferQueue's controller and storage units, the
+engine, the training ranks, Ray's GCS and raylet. Prints, every `--every` steps, the RSS of each
+role and `data_plane/resident_mb` (bytes still stored after the step's clear: 0 when every step's
+rows were cleared), then each role's slope (kB per step, least squares over the steps after
+`--after`): flat within noise means nothing accumulates. `--plot`: RSS against step, as PNG.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import subprocess
+import sys
 import tempfile
-import threading
-import time
+
+import psutil
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from process_memory import TreeSampler, role  # noqa: E402  (bench/ is not a package)
+
+ROLES = {"driver": "driver", "ray::RolloutManager": "rollout manager", "ray::TransferQueueController": "TQ controller",
+         "ray::SimpleStorageUnit": "TQ storage", "ray::EngineActor": "engine", "ray::TrainWorker": "training ranks",
+         "gcs_server": "Ray GCS", "raylet": "raylet"}
 
 
-def _rss_mb(title: str) -> float:
-    """Summed RSS of processes whose title names this Ray actor class (Ray titles them ray::Class)."""
-    import psutil
-    total = 0
-    for proc in psutil.process_iter(["cmdline", "memory_info"]):
-        cmd = " ".join(proc.info["cmdline"] or [])
-        if f"ray::{title}" in cmd and proc.info["memory_info"] is not None:
-            total += proc.info["memory_info"].rss
-    return total / 2**20
+class RssByStep(TreeSampler):
+    """step -> {role: summed RSS MB}, the last sample taken while that many steps were logged."""
+
+    def __init__(self, root: int, metrics: str, every_s: float = 2.0):
+        super().__init__(root, every_s)
+        self.metrics, self.by_step = metrics, {}
+
+    def read(self, procs: list[psutil.Process]) -> None:
+        step = sum(1 for _ in open(self.metrics)) if os.path.exists(self.metrics) else 0
+        rss = collections.defaultdict(float)
+        for p in procs:
+            name = ROLES.get(role(p))
+            if name is None:
+                continue
+            try:
+                rss[name] += p.memory_info().rss / 2**20
+            except psutil.Error:
+                pass
+        self.by_step[step] = dict(rss)
+
+
+def slope_kb(points: list[tuple[int, float]]) -> float:
+    """Least-squares slope of (step, MB) in kB per step."""
+    n = len(points)
+    if n < 2:
+        return float("nan")
+    mx, my = sum(x for x, _ in points) / n, sum(y for _, y in points) / n
+    var = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / var * 1024 if var else float("nan")
+
+
+def plot(by_step: dict, path: str, steps: int) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for name in ROLES.values():
+        points = [(s, r[name]) for s, r in sorted(by_step.items()) if name in r and s > 0]
+        if points:
+            ax.plot(*zip(*points), label=name, linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("RSS (MB)")
+    ax.set_title(f"quickstart, {steps} steps: RSS of each role")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--every", type=int, default=20)
+    p.add_argument("--steps", type=int, default=2000)
+    p.add_argument("--every", type=int, default=200)
+    p.add_argument("--after", type=int, default=100, help="slopes over the steps after this one")
+    p.add_argument("--plot", default="", help="write RSS against step to this PNG")
+    p.add_argument("overrides", nargs="*")
     args = p.parse_args()
-
-    import ray
-
-    from dapo_megatron.config import load_config
-    from dapo_megatron.driver.loop import run
-    samples: dict[int, tuple[float, float]] = {}  # step -> (storage RSS MB, controller RSS MB), last seen
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config("quickstart", [f"trainer.total_training_steps={args.steps}", "trainer.save_freq=0",
-                                         "trainer.test_freq=0", "trainer.val_before_train=false",
-                                         "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}",
-                                         "trainer.resume_mode=disable"])
-        done = threading.Event()
-
-        def sample():
-            path = os.path.join(out, "metrics.jsonl")
-            while not done.is_set():
-                step = sum(1 for _ in open(path)) if os.path.exists(path) else 0
-                samples[step] = (_rss_mb("SimpleStorageUnit"), _rss_mb("TransferQueueController"))
-                time.sleep(1.0)
-
-        thread = threading.Thread(target=sample, daemon=True)
-        thread.start()
-        try:
-            run(cfg)
-        finally:
-            done.set()
-            ray.shutdown()
+        cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
+               f"trainer.total_training_steps={args.steps}", "trainer.save_freq=0", "trainer.test_freq=0",
+               "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}",
+               "trainer.resume_mode=disable", *args.overrides]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        sampler = RssByStep(proc.pid, os.path.join(out, "metrics.jsonl"))
+        sampler.start()
+        _, err = proc.communicate()
+        sampler.stop.set()
+        sampler.join()
+        if proc.returncode:
+            raise SystemExit(f"the quickstart failed:\n{err[-3000:]}")
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    print(f"\ndata plane memory over {args.steps} quickstart steps")
-    head = ("step", "data_plane/resident_mb", "storage units RSS MB", "controller RSS MB", "step s")
+    by_step, names = sampler.by_step, [n for n in ROLES.values() if any(n in r for r in sampler.by_step.values())]
+    print(f"\nRSS (MB) of each role over {args.steps} quickstart steps")
+    head = ("step", "data_plane/resident_mb", *names, "step s")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
-        if r["step"] == 1 or r["step"] % args.every == 0:
-            storage, controller = samples.get(r["step"], (float("nan"), float("nan")))
-            print(f"| {r['step']} | {r['data_plane/resident_mb']:.3f} | {storage:.1f} | {controller:.1f} | "
-                  f"{r['timing/step']:.2f} |")
+        s = r["step"]
+        if (s == 1 or s % args.every == 0) and s in by_step:
+            cells = [f"{by_step[s].get(n, float('nan')):.1f}" for n in names]
+            print(f"| {s} | {r['data_plane/resident_mb']:.3f} | " + " | ".join(cells) + f" | {r['timing/step']:.2f} |")
+    print(f"\nslope after step {args.after} (kB per step; target < 1)")
+    print("| " + " | ".join(names) + " |\n|" + "---|" * len(names))
+    print("| " + " | ".join(f"{slope_kb([(s, r[n]) for s, r in by_step.items() if s > args.after and n in r]):.2f}"
+                            for n in names) + " |")
+    if args.plot:
+        plot(by_step, args.plot, args.steps)
+        print(f"\nplot: {args.plot}")
 
 
 if __name__ == "__main__":  # Ray and vLLM may spawn processes: the guard keeps them from re-running this

@@ -183,6 +183,11 @@ class RolloutConfig:
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     # Tools of multi-turn rollouts: built-in names (python) or path/to/file.py:function entries.
     tools: List[str] = field(default_factory=lambda: ["python"])
+    # A dead engine (its process gone, or no finished group for engine_timeout_s while requests
+    # are in flight; 0: no time limit) is replaced inside the step, its in-flight prompts
+    # generated again, up to this many times a run; 0: a dead engine stops the run.
+    max_engine_restarts: int = 0
+    engine_timeout_s: float = 0.0
 
 
 @dataclass

@@ -25,6 +25,7 @@ from dapo_megatron.config import DapoConfig
 from dapo_megatron.driver import setup
 from dapo_megatron.driver.colocate import TimeShare
 from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, write_event
+from dapo_megatron.driver.recovery import wait_manager
 from dapo_megatron.logs import LOGS
 
 
@@ -61,6 +62,8 @@ class Run:
     # trainer.mode=one_step_off: the batch the engines generate while this step trains
     pending: Optional["Request"] = None
     checkpoint: Optional[str] = None  # the newest this run saved or resumed from (a restart's)
+    deaths: object = None  # the manager's long poll for dead engines (driver/recovery.py)
+    engine_restarts: int = 0
 
     @contextlib.contextmanager
     def timed(self, name: str, what=()):
@@ -92,7 +95,7 @@ def take_batch(run: Run) -> tuple:
     one_step_off = run.cfg.trainer.mode == "one_step_off"
     request = run.pending or _request(run, run.step + 1)
     with run.timed("trainer_wait" if one_step_off else "gen"):
-        step, metrics = roles.get("rollout manager", request.ref)
+        step, metrics = wait_manager(run, request.ref)
     run.pending = _request(run, run.step + 2) if one_step_off and run.step + 1 < run.ctx.total_steps else None
     if step is not None:  # how many weight pushes behind the policy being trained its responses are
         stale = float(run.syncs - request.version)
@@ -104,7 +107,7 @@ def drop_pending(run: Run) -> None:
     """A batch generated but never trained (the run ended or stopped): its rows go; its prompts
     are back in the stream of any checkpoint saved since (`setup.trainer_state`)."""
     if run.pending is not None:
-        step, _ = roles.get("rollout manager", run.pending.ref)
+        step, _ = wait_manager(run, run.pending.ref)
         run.pending = None
         if step is not None:
             roles.get("rollout manager", run.ctx.manager.release.remote(step.partition))
@@ -138,7 +141,7 @@ def train_step(run: Run) -> dict:
     run.share.before_sync(run)
     if run.pending is not None:  # one_step_off: the batch in flight is the old weights' to finish
         with run.timed("sync_wait"):
-            ray.wait([run.pending.ref], num_returns=1)
+            wait_manager(run, run.pending.ref, get=False)
     with run.timed("sync"):
         run.syncs += 1
         metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync,
@@ -236,6 +239,8 @@ def _loop(run_: Run) -> int:
                                        "driver/cpu_s": time.process_time() - cpu0})
         run_.timing = {}
         metrics.update(ctx.train.pop_memory())  # memory/device_peak_gb/<phase>; none on a CPU
+        if cfg.rollout.max_engine_restarts:
+            metrics["rollout/engine_restarts"] = float(run_.engine_restarts)  # in this run so far
         if cfg.trainer.test_freq > 0 and run_.step % cfg.trainer.test_freq == 0:
             metrics.update(setup.evaluate(run_))
         run_.logger.log(run_.step, metrics)

@@ -101,9 +101,12 @@ class MetricsLogger:
                 points = [(r["step"], r[key]) for r in rows if key in r]
                 if points:
                     ax.plot(*zip(*points), marker=".", label=key)
-            for i, e in enumerate(events):  # during the step after the last one logged before it
-                ax.axvline(e["step"] + 0.5, color="red", linestyle="--", linewidth=0.8,
-                           label=e["event"] if i == 0 else None)
+            labelled = set()
+            for e in events:  # during the step after the last one logged before it
+                kind = e["event"]
+                ax.axvline(e["step"] + 0.5, color=EVENT_COLORS.get(kind, "gray"), linestyle="--", linewidth=0.8,
+                           label=None if kind in labelled else kind)
+                labelled.add(kind)
             ax.set_title(title)
             ax.set_xlabel("step")
             if ax.get_legend_handles_labels()[0]:
@@ -120,6 +123,9 @@ class MetricsLogger:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+EVENT_COLORS = {"restart": "red", "engine_restart": "darkorange"}  # curves.png's marker of each event
 
 
 def write_event(out_dir: str, event: str, **fields) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import ray
 from ray.util.placement_group import placement_group
@@ -31,6 +32,7 @@ class Placement:
     train: TrainGroup
     engines: list
     pg: object
+    start_engine: Callable[[int, int], object]  # (engine index, restart) -> a new engine in its bundle
 
 
 def init_ray(cfg: DapoConfig) -> None:
@@ -76,9 +78,12 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
     engine_spec = EngineSpec.from_model(model_path, cfg.rollout, model=spec, dtype=cfg.model.dtype,
                                         max_model_len=max_model_len, tokenizer_path=tokenizer_path,
                                         return_routes=cfg.actor.router_replay == "rollout")
-    engines = []
-    for j in range(num_engines(cfg)):
-        engines.append(engine_actor(engine_spec, device=device.kind, name=f"{ENGINE_NAME}-{j}",
-                                    log_path=log_file(run_dir, f"engine-{j}"), data_plane=data_plane,
-                                    **_options(device, pg, first + j * tp, share)))
-    return Placement(TrainGroup(workers), engines, pg)
+
+    def start_engine(j: int, restart: int = 0):
+        """Engine j in its bundle; a replacement (restart > 0) has a name of its own (its rows'
+        keys start with it) and appends to the dead one's log."""
+        name = f"{ENGINE_NAME}-{j}" + (f"-restart{restart}" if restart else "")
+        return engine_actor(engine_spec, device=device.kind, name=name, log_path=log_file(run_dir, f"engine-{j}"),
+                            data_plane=data_plane, **_options(device, pg, first + j * tp, share))
+    engines = [start_engine(j) for j in range(num_engines(cfg))]
+    return Placement(TrainGroup(workers), engines, pg, start_engine)

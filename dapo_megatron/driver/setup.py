@@ -18,7 +18,7 @@ from dapo_megatron.driver.placement import Placement, init_ray, place
 from dapo_megatron.logs import log_file
 from dapo_megatron.models import ModelSpec
 from dapo_megatron.roles import as_role
-from dapo_megatron.rollout.manager import RolloutManager
+from dapo_megatron.rollout.manager import manager_actor
 from dapo_megatron.weights.checksum import checksum_mismatches
 from dapo_megatron.weights.hf_io import CheckpointError
 from dapo_megatron.weights.load import check_hf_checkpoint
@@ -116,7 +116,7 @@ def prepare(cfg: DapoConfig) -> Context:
     handle = dataplane.Handle(cfg.data_plane.backend)
     placement = place(cfg, model_path, spec, cfg.data.max_prompt_length + cfg.data.max_response_length,
                       tokenizer_path=tokenizer_dir, data_plane=handle)
-    manager = ray.remote(RolloutManager).options(num_cpus=0).remote(
+    manager = manager_actor().options(num_cpus=0).remote(
         _absolute_custom_fn(cfg), placement.engines, tokenizer_dir, handle, train_data, val_data, stop_token_ids(tokenizer),
         log_path=log_file(cfg.trainer.default_local_dir, "rollout-manager"), start_data_plane=True)
     as_role("actor", placement.train.setup, total)

@@ -35,6 +35,9 @@ class EngineActor(Engine):
         super().__init__(*args, **kwargs)
         self._store = GroupStore(data_plane, name)
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def submit(self, request_id: str, prompt: Prompt, sampling: Sampling, index: int = -1,
                partition: Optional[str] = None) -> None:
         self._store.expect(request_id, partition)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -30,6 +31,7 @@ from dapo_megatron.algo import DynamicSampler, Group
 from dapo_megatron.data.dataset import PromptDataset, PromptItem
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.dataplane import DataPlane, StepBatch
+from dapo_megatron.rollout.health import EngineHealth
 from dapo_megatron.rollout.types import Sampling, StoredGroup
 
 
@@ -85,20 +87,53 @@ class Store:
 
 
 def collect_sync(engines: list, dataset: PromptDataset, prompts: PromptSampler, sampler: DynamicSampler,
-                 score: ScoreFn, sampling: Sampling, gen_batch_size: int, store: Store) -> Collected:
+                 score: ScoreFn, sampling: Sampling, gen_batch_size: int, store: Store,
+                 health: EngineHealth | None = None) -> Collected:
     """Recipe rounds: generate gen_batch_size prompts on all engines, score, filter, repeat."""
     tokens = _Tokens(store)
     while not sampler.should_stop():
         items = [dataset[i] for i in prompts.next(gen_batch_size)]
         shards = _split(items, len(engines))
-        futures = [e.generate.remote([it.prompt for it in shard], sampling, store.partition)
-                   for e, shard in zip(engines, shards)]
-        for shard, results in zip(shards, ray.get(futures)):
+        for shard, results in zip(shards, _generate_round(engines, health, shards, sampling, store.partition)):
             tokens.driver_bytes += received(results)
             if shard:
                 tokens.add(sampler, score(shard, results))
         sampler.start_round()
     return _finish(sampler, tokens)
+
+
+def _generate_round(engines: list, health: EngineHealth | None, shards: list[list[PromptItem]],
+                    sampling: Sampling, partition: str) -> list:
+    """Shard i on engine i. With `health`, the shard of an engine that died (or answered nothing
+    in rollout.engine_timeout_s) is generated again on a live one, the replacement when none is
+    left: per-prompt seeds make it the same sample under the same weights."""
+    def call(e: int, shard: list[PromptItem]):
+        return engines[e].generate.remote([it.prompt for it in shard], sampling, partition)
+    if health is None:
+        return ray.get([call(e, shard) for e, shard in enumerate(shards)])
+    results, todo = [None] * len(shards), list(range(len(shards)))
+    while todo:
+        alive = [e for e in range(len(engines)) if health.alive(e)]
+        if not alive:
+            health.wait_alive()
+            continue
+        runs = {i: (i if health.alive(i) else alive[k % len(alive)]) for k, i in enumerate(todo)}
+        refs = {i: call(e, shards[i]) for i, e in runs.items()}
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=health.timeout_s or None)
+        todo = []
+        for i, ref in refs.items():
+            e = runs[i]
+            try:
+                results[i] = ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as exc:
+                todo.append(i)
+                if health.alive(e):
+                    health.report(e, exc, len(shards[i]))
+            except ray.exceptions.GetTimeoutError:
+                todo.append(i)
+                if health.alive(e):
+                    health.hung(e, health.timeout_s, len(shards[i]))
+    return results
 
 
 @dataclass
@@ -155,50 +190,101 @@ def _finish(sampler: DynamicSampler, tokens: _Tokens) -> Collected:
 
 
 class _EarlyStop:
-    """The state of one early-stop collection: what is queued, in flight, and where."""
+    """The state of one early-stop collection: what is queued, in flight, and where. With
+    `health`, an engine that dies (or finishes nothing for rollout.engine_timeout_s while it has
+    requests) is reported and its in-flight prompts go back to the front of the queue."""
 
     def __init__(self, engines: list, dataset: PromptDataset, sampling: Sampling, max_concurrent_per_engine: int,
-                 tokens: _Tokens):
+                 tokens: _Tokens, health: EngineHealth | None = None):
         self.engines, self.dataset, self.sampling, self.tokens = engines, dataset, sampling, tokens
+        self.health = health
         # Capacity in groups: an engine runs n requests per prompt.
         self.capacity = max(1, max_concurrent_per_engine // sampling.n)
         self.queued: deque[PromptItem] = deque()
         self.in_flight: dict[str, tuple[int, PromptItem]] = {}  # request id -> (engine, item)
         self.load = [0] * len(engines)
+        self.progress = [time.monotonic()] * len(engines)  # an engine's last finished group (or first request)
         self.ids = itertools.count()
 
+    def _alive(self) -> list[int]:
+        return [e for e in range(len(self.engines)) if self.health is None or self.health.alive(e)]
+
     def submit_ready(self, limit: float) -> None:
-        """Submit queued prompts while an engine has capacity and fewer than `limit` are in flight."""
-        calls = []
-        while self.queued and len(self.in_flight) < limit:
-            e = min(range(len(self.engines)), key=self.load.__getitem__)  # least-loaded engine first
-            if self.load[e] >= self.capacity:
-                break
-            item = self.queued.popleft()
-            rid = f"g{next(self.ids)}-p{item.index}"
-            self.in_flight[rid] = (e, item)
-            self.load[e] += 1
-            calls.append(self.engines[e].submit.remote(rid, item.prompt, self.sampling, index=item.index,
-                                                       partition=self.tokens.store.partition))
-        ray.get(calls)
+        """Submit queued prompts while an engine has capacity and fewer than `limit` are in flight
+        (again, elsewhere, when an engine died as they reached it)."""
+        while True:
+            if self.queued and not self._alive():
+                self.health.wait_alive()  # the driver is starting a replacement
+            calls: dict[int, list] = {}
+            while self.queued and len(self.in_flight) < limit:
+                e = min(self._alive(), key=self.load.__getitem__)  # least-loaded engine first
+                if self.load[e] >= self.capacity:
+                    break
+                item = self.queued.popleft()
+                rid = f"g{next(self.ids)}-p{item.index}"
+                self.in_flight[rid] = (e, item)
+                if not self.load[e]:
+                    self.progress[e] = time.monotonic()
+                self.load[e] += 1
+                calls.setdefault(e, []).append(self.engines[e].submit.remote(
+                    rid, item.prompt, self.sampling, index=item.index, partition=self.tokens.store.partition))
+            if len(self._answers(calls)) == len(calls):
+                return
 
     def poll(self, timeout: float) -> list[tuple[PromptItem, StoredGroup]]:
-        done = []
-        busy = [e for e in range(len(self.engines)) if self.load[e]]
-        for results in ray.get([self.engines[e].poll.remote(timeout=timeout) for e in busy]):
+        done, asked = [], time.monotonic()
+        busy = [e for e in self._alive() if self.load[e]]
+        answers = self._answers({e: self.engines[e].poll.remote(timeout=timeout) for e in busy}, wait_s=timeout)
+        for e, results in answers.items():
             self.tokens.driver_bytes += received(results)
+            if results:
+                self.progress[e] = time.monotonic()
             for group in results:
-                e, item = self.in_flight.pop(group.request_id)
+                _, item = self.in_flight.pop(group.request_id)
                 self.load[e] -= 1
                 done.append((item, group))
+        # An answer tells what had finished when the poll was asked (a hung peer may have kept
+        # this loop waiting since), so an engine's silence is measured up to then.
+        limit = self.health.timeout_s if self.health is not None else 0.0
+        for e in busy:
+            if limit and self.health.alive(e) and self.load[e] and asked - self.progress[e] > limit:
+                self.health.hung(e, asked - self.progress[e], self._requeue(e))
         return done
+
+    def _answers(self, refs: dict, wait_s: float = 0.0) -> dict:
+        """engine -> the answer of its call(s); an engine that died (or did not answer within
+        rollout.engine_timeout_s past `wait_s`) is reported and left out. Without health: ray.get."""
+        flat = [r for v in refs.values() for r in (v if isinstance(v, list) else [v])]
+        if self.health is None:
+            answers = iter(ray.get(flat))
+            return {e: [next(answers) for _ in v] if isinstance(v, list) else next(answers) for e, v in refs.items()}
+        limit = self.health.timeout_s
+        ray.wait(flat, num_returns=len(flat), timeout=wait_s + limit if limit else None)
+        out = {}
+        for e, ref in refs.items():
+            try:
+                out[e] = ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as exc:
+                self.health.report(e, exc, self._requeue(e))
+            except ray.exceptions.GetTimeoutError:
+                self.health.hung(e, limit, self._requeue(e))
+        return out
+
+    def _requeue(self, engine: int) -> int:
+        """A dead engine's in-flight prompts back to the front of the queue; returns how many."""
+        lost = [(rid, item) for rid, (e, item) in self.in_flight.items() if e == engine]
+        for rid, _ in lost:
+            del self.in_flight[rid]
+        self.queued.extendleft(reversed([item for _, item in lost]))
+        self.load[engine] = 0
+        return len(lost)
 
     def abort_all(self) -> tuple[list[PromptItem], int]:
         """Abort what is in flight, wait for the aborted groups; returns their prompts and tokens."""
         by_engine: dict[int, list[str]] = {}
         for rid, (e, _) in self.in_flight.items():
             by_engine.setdefault(e, []).append(rid)
-        ray.get([self.engines[e].abort.remote(rids) for e, rids in by_engine.items()])
+        self._answers({e: self.engines[e].abort.remote(rids) for e, rids in by_engine.items()})
         returned, tokens = [], 0
         while self.in_flight:
             for item, group in self.poll(timeout=0.5):
@@ -211,10 +297,11 @@ class _EarlyStop:
 
 def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSampler, sampler: DynamicSampler,
                        score: ScoreFn, sampling: Sampling, gen_batch_size: int, store: Store,
-                       max_concurrent_per_engine: int, poll_s: float = 0.05) -> Collected:
+                       max_concurrent_per_engine: int, poll_s: float = 0.05,
+                       health: EngineHealth | None = None) -> Collected:
     """Stream prompts to the engines until train_batch_size groups are kept, then abort the rest."""
     tokens = _Tokens(store)
-    run = _EarlyStop(engines, dataset, sampling, max_concurrent_per_engine, tokens)
+    run = _EarlyStop(engines, dataset, sampling, max_concurrent_per_engine, tokens, health)
     while not sampler.is_full:
         if not run.queued and not sampler.exhausted:
             run.queued.extend(dataset[i] for i in prompts.next(gen_batch_size))

@@ -13,7 +13,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import signal
+import threading
 import time
+from functools import partial
 from typing import Optional
 
 import ray
@@ -29,8 +33,34 @@ from dapo_megatron.reward.metrics import validation_metrics
 from dapo_megatron.roles import as_role
 from dapo_megatron.rollout.collect import (Collected, RewardScorer, Store, collect_early_stop, collect_sync,
                                            groups_to_batch)
+from dapo_megatron.rollout.health import Death, EngineHealth
 from dapo_megatron.rollout.reward_worker import RewardWorker
 from dapo_megatron.rollout.types import Sampling
+
+
+# Test hook (tests/e2e, bench/fault_recovery.py): DAPO_KILL_ENGINE_AT=<step> kills engine 0's
+# process with SIGKILL once it has requests of that step's collection in flight, as an OOM kill of
+# an engine mid-generation would.
+KILL_ENGINE_AT = "DAPO_KILL_ENGINE_AT"
+
+
+def _kill_engine_during(step: int, engines: list) -> None:
+    if os.environ.get(KILL_ENGINE_AT) != str(step):
+        return
+    os.environ.pop(KILL_ENGINE_AT)  # once: the replacement lives
+    engine = engines[0]
+    pid = ray.get(engine.pid.remote())
+
+    def kill():
+        while not ray.get(engine.num_in_flight.remote()):
+            time.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+    threading.Thread(target=kill, daemon=True).start()
+
+
+# Its own thread for the driver's long poll of dead engines and their replacement while a
+# collection runs; every other method stays one at a time.
+CONCURRENCY_GROUPS = {"health": 2}
 
 
 class RolloutManager:
@@ -56,6 +86,9 @@ class RolloutManager:
         self.sampler = DynamicSampler(cfg.data.train_batch_size, fg.max_num_gen_batches, fg.on_exhausted, fg.enable)
         self.scorer = RewardScorer(self.reward, fg.metric)
         self.collections = 0  # names each collection's data-plane partition
+        rollout = cfg.rollout
+        self.health = (EngineHealth(self.engines, rollout.max_engine_restarts, rollout.engine_timeout_s)
+                       if rollout.max_engine_restarts or rollout.engine_timeout_s else None)
         # step -> the state before its batch was collected: a checkpoint taken while that batch
         # waits untrained (trainer.mode=one_step_off) saves this one, so its prompts come back.
         self.before: dict[int, dict] = {}
@@ -77,11 +110,14 @@ class RolloutManager:
         args = (self.engines, self.train_data, self.prompts, self.sampler, self.scorer, sampling,
                 cfg.data.gen_batch_size, store)
         if cfg.algorithm.filter_groups.mode == "early_stop":
-            collect, args = collect_early_stop, (*args, cfg.rollout.max_concurrent_per_engine)
+            collect, args = partial(collect_early_stop, health=self.health), (*args, cfg.rollout.max_concurrent_per_engine)
         else:
-            collect = collect_sync
+            collect = partial(collect_sync, health=self.health)
+        _kill_engine_during(step, self.engines)
         try:
             collected = as_role("rollout engine", collect, *args)
+            if self.health is not None:  # the batch goes back once every engine is replaced: the
+                self.health.wait_alive(any_of=False)  # driver's next sync reaches them all
         except BaseException:
             store.clear()
             raise
@@ -124,6 +160,16 @@ class RolloutManager:
             out.update(validation_metrics(prompts, seed=cfg.rollout.seed))
         return out
 
+    @ray.method(concurrency_group="health")
+    def engine_deaths(self, timeout: float = 60.0) -> list[Death]:
+        """The driver's long poll (rollout.max_engine_restarts): engines that died since the last call."""
+        return self.health.wait_dead(timeout)
+
+    @ray.method(concurrency_group="health")
+    def replace_engine(self, engine: int, handle) -> None:
+        """A started replacement, holding the current weights, takes the dead engine's place."""
+        self.health.replace(engine, handle)
+
     def state_dict(self, before: Optional[int] = None) -> dict:
         """What a checkpoint needs to resume the stream exactly (the keys older checkpoints have);
         `before`: as it was before the batch of that step was collected (a batch not yet trained)."""
@@ -146,3 +192,8 @@ class RolloutManager:
         ray.get([e.shutdown.remote() for e in self.engines])
         if self.owns_plane:
             dataplane.stop()
+
+
+def manager_actor():
+    """The RolloutManager as a Ray actor class, with its concurrency groups."""
+    return ray.remote(concurrency_groups=CONCURRENCY_GROUPS)(RolloutManager)

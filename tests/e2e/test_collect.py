@@ -4,6 +4,7 @@ abort (also of multi-turn conversations with a slow tool), the data plane holds 
 rows, and the driver gets metadata only."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,146 @@ def test_early_stop_multi_turn_with_a_slow_tool_returns_every_unused_prompt(tool
     metrics = _early_stop_steps(engine, dataset, plane, sampling, "tools")
     assert all(m["rollout/tool_calls"] > 0 and m["rollout/turns_mean"] > 1 for m in metrics)
     assert ray.get(engine.num_in_flight.remote()) == 0
+
+
+class Replacements:
+    """Spare real engine actors and a driver stand-in: a thread that starts a fresh engine for
+    every death an `EngineHealth` reports and hands it over (the real driver also pushes the
+    trainer's weights into it; here every engine holds the same HF weights)."""
+
+    def __init__(self, spec, plane_handle):
+        self.spec, self.plane_handle = spec, plane_handle
+        self.started, self.deaths, self.idle = [], [], []  # idle: a previous test's replacement
+
+    def start(self):
+        import ray
+
+        from dapo_megatron.rollout.actor import engine_actor
+        if self.idle:
+            return self.idle.pop()
+        e = engine_actor(self.spec, device="cpu", num_cpus=0, data_plane=self.plane_handle,
+                         name=f"spare-{len(self.started)}")
+        ray.get(e.num_in_flight.remote())
+        self.started.append(e)
+        return e
+
+    def serve(self, health):
+        import threading
+
+        def serve():
+            for death in health.wait_dead(timeout=120):
+                self.deaths.append(death)
+                health.replace(death.engine, self.start())
+        thread = threading.Thread(target=serve, daemon=True)
+        thread.start()
+        return thread
+
+
+@pytest.fixture(scope="module")
+def replacements(env, tiny_assets):
+    import ray
+
+    from dapo_megatron.config.schema import RolloutConfig
+    from dapo_megatron.rollout.engine_spec import EngineSpec
+    spec = EngineSpec.from_model(str(tiny_assets / "qwen3_moe"), RolloutConfig(enforce_eager=True), dtype="fp32",
+                                 max_model_len=512)
+    out = Replacements(spec, env[3])
+    yield out
+    for e in out.started:
+        ray.kill(e)
+
+
+def _signal_engine_in(engine, sig, delay_s: float):
+    """Send `sig` to the engine's process `delay_s` from now; returns (timer, pid)."""
+    import os
+    import threading
+
+    import ray
+    pid = ray.get(engine.pid.remote())
+    timer = threading.Timer(delay_s, os.kill, (pid, sig))
+    timer.start()
+    return timer, pid
+
+
+# Long responses (EOS ignored): the collection is still generating when the signal comes.
+LONG = dict(n=N, temperature=1.0, max_tokens=160, seed=0, ignore_eos=True)
+
+
+def test_sync_mode_generates_a_killed_engines_shard_again_on_its_replacement(env, replacements):
+    """kill -9 of one of two engines 0.3 s into a round: its shard is generated again on the live
+    one (the other's is kept), the batch is full, every served prompt scored exactly once, and the
+    collection's engine list holds the replacement."""
+    import signal
+
+    from dapo_megatron.algo import DynamicSampler
+    from dapo_megatron.rollout.collect import Store, collect_sync
+    from dapo_megatron.rollout.health import EngineHealth
+    from dapo_megatron.rollout.types import Sampling
+    dataset, engine, plane, _ = env
+    victim = replacements.start()
+    engines = [engine, victim]
+    health = EngineHealth(engines, max_restarts=1)
+    server, before = replacements.serve(health), len(replacements.deaths)
+    prompts, seen = RecordingSampler(len(dataset)), []
+
+    def scorer(items, groups):
+        seen.extend(it.index for it in items)
+        return half_degenerate(items, groups)
+    kill, _ = _signal_engine_in(engines[1], signal.SIGKILL, 0.3)
+    result = collect_sync(engines, dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer,
+                          Sampling(**LONG), GEN, Store("sync-killed", plane), health=health)
+    kill.join()
+    health.wait_alive(any_of=False)  # as the manager does before it hands the batch over
+    server.join(timeout=5)
+    _check_kept(result, plane, "sync-killed")
+    (death,) = replacements.deaths[before:]
+    assert death.engine == 1 and death.in_flight == GEN // 2, death  # its whole shard
+    assert health.restarts == 1 and not health.dead and engines[1] is not victim
+    assert sorted(seen) == sorted(prompts.served) and len(set(seen)) == len(seen)
+    replacements.idle.append(engines[1])  # the next test's victim: one engine start less
+
+
+def test_early_stop_requeues_a_hung_engines_prompts_and_kills_it(env, replacements):
+    """SIGSTOP of one of two engines mid-generation (a hung driver call): after
+    rollout.engine_timeout_s without an answer it is killed and reported with its in-flight
+    prompts, which are generated on the replacement; none lost, none scored twice."""
+    import signal
+
+    import ray
+
+    from dapo_megatron.algo import DynamicSampler
+    from dapo_megatron.rollout.collect import Store, collect_early_stop
+    from dapo_megatron.rollout.health import EngineHealth
+    from dapo_megatron.rollout.types import Sampling
+    dataset, engine, plane, _ = env
+    victim = replacements.start()
+    engines = [engine, victim]
+    # 6 s: well past a healthy engine's time to finish a group here (64 tokens: ~1 s)
+    health = EngineHealth(engines, max_restarts=1, timeout_s=6.0)
+    server, before = replacements.serve(health), len(replacements.deaths)
+    prompts, seen = RecordingSampler(len(dataset)), []
+
+    def scorer(items, groups):
+        seen.extend(it.index for it in items)
+        return half_degenerate(items, groups)
+    stop, pid = _signal_engine_in(victim, signal.SIGSTOP, 0.3)
+    result = collect_early_stop(engines, dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer,
+                                Sampling(**{**LONG, "max_tokens": 64}), GEN, Store("early-hung", plane), max_concurrent_per_engine=4 * N,
+                                health=health)
+    stop.join()
+    health.wait_alive(any_of=False)
+    server.join(timeout=5)
+    _check_kept(result, plane, "early-hung")
+    (death,) = replacements.deaths[before:]  # only the stopped one: the live engine's silence while
+    # the loop waited on the stopped one is not held against it
+    assert death.engine == 1 and death.in_flight > 0 and "rollout.engine_timeout_s=6" in death.cause, death
+    assert engines[1] is not victim and not health.dead
+    pushed = prompts.inner.state_dict()["pushed_back"]
+    assert sorted(seen + pushed) == sorted(prompts.served) and len(set(seen)) == len(seen)
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(victim.pid.remote(), timeout=30)
+    psutil = pytest.importorskip("psutil")  # its process killed, not left stopped
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, f"the hung engine's process {pid} is still there"
+        time.sleep(0.2)

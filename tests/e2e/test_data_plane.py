@@ -381,7 +381,7 @@ def test_rollout_manager_reproduces_the_drivers_batches_and_resumes_exactly(plan
     aborted and pushed back in between). A second manager loaded from the first's state after
     step 1 (a resumed run) produces the same steps 2 and 3."""
     ray = pytest.importorskip("ray")
-    from dapo_megatron.rollout.manager import RolloutManager
+    from dapo_megatron.rollout.manager import manager_actor
     from dapo_megatron.rollout.reward_worker import RewardWorker
     handle, plane, _ = plane_env
     cfg = _manager_cfg(mode)
@@ -392,8 +392,8 @@ def test_rollout_manager_reproduces_the_drivers_batches_and_resumes_exactly(plan
         return ray.remote(SeededEngine).options(num_cpus=0, max_concurrency=4).remote(handle, 24, order)
 
     def manager():
-        return ray.remote(RolloutManager).options(num_cpus=0).remote(cfg, [engine()], str(tiny_assets / "tokenizer"), handle,
-                                                                  Items(24), None, ())
+        return manager_actor().options(num_cpus=0).remote(cfg, [engine()], str(tiny_assets / "tokenizer"), handle,
+                                                          Items(24), None, ())
 
     def batch(m, step):
         out = ray.get(m.next_batch.remote(step))

@@ -118,10 +118,14 @@ def whole(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
 @pytest.fixture(scope="module")
 def chunked(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
     """The same in this process, prefilling 256 tokens a step, asked for 50 steps and sent SIGTERM
-    once two are logged: it finishes the step in flight, saves it and returns 0."""
+    once two are logged: it finishes the step in flight, saves it and returns 0. Its engine is
+    killed -9 in step 2's generation (requests in flight) and replaced in the step
+    (rollout.max_engine_restarts)."""
     import signal
     import threading
     import time
+
+    from dapo_megatron.rollout.manager import KILL_ENGINE_AT
     out = tmp_path_factory.mktemp("chunked") / "run"
 
     def term_after_two_steps():
@@ -130,12 +134,15 @@ def chunked(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=term_after_two_steps, daemon=True).start()
-    cfg = _cfg(tiny_assets, out, 50, **long_prompts, **{"rollout.max_num_batched_tokens": 256, "trainer.save_freq": 100})
+    cfg = _cfg(tiny_assets, out, 50, **long_prompts, **{"rollout.max_num_batched_tokens": 256, "trainer.save_freq": 100,
+                                                       "rollout.max_engine_restarts": 1})
     previous = signal.getsignal(signal.SIGTERM)
+    os.environ[KILL_ENGINE_AT] = "2"  # the local Ray's processes inherit it
     try:
         assert _run_here(cfg) == 0
     finally:
         signal.signal(signal.SIGTERM, previous)
+        os.environ.pop(KILL_ENGINE_AT, None)
     return Finished(out, _rows(out))
 
 
@@ -246,7 +253,9 @@ def test_colocated_roles_take_turns_with_the_device(whole):
 
 def test_real_length_prompts_chunked_prefill_changes_nothing(whole, chunked, tiny_assets, long_prompts):
     """The quickstart on ~300-token prompts prefilled 256 tokens a step gives exactly the metrics
-    of the run whose steps prefill whole."""
+    of the run whose steps prefill whole; also step 2, whose engine was killed mid-generation and
+    replaced: its round generated again (same per-prompt seeds) on the replacement holding the
+    same weights, no prompt lost or scored twice."""
     from transformers import AutoTokenizer
 
     from dapo_megatron.data.dataset import PromptDataset
@@ -256,11 +265,16 @@ def test_real_length_prompts_chunked_prefill_changes_nothing(whole, chunked, tin
     lengths = [len(item.prompt.ids) for item in data]
     assert 250 <= min(lengths) and max(lengths) <= 400, (min(lengths), max(lengths))
 
-    def clockless(rows):  # all but the clocks
-        return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/")) and not k.endswith("_s")}
-                for r in rows]
+    def clockless(rows):  # all but the clocks (and the count of engine restarts)
+        return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/")) and not k.endswith("_s")
+                 and k != "rollout/engine_restarts"} for r in rows]
     assert [r["step"] for r in chunked.rows[:2]] == [1, 2]
     for c, w in zip(clockless(chunked.rows[:2]), clockless(whole.rows)):
+        if c["step"] == 2:  # every response of step 2 came from the replacement, whose row keys
+            # carry its name (dapo-engine-0-restart1): the manager received that much more
+            extra = len("-restart1") * c["sampling/scored_responses"]
+            assert c.pop("driver/bytes") - w.pop("driver/bytes") == extra, (c, w)
+            c.pop("driver/bytes_per_response"), w.pop("driver/bytes_per_response")
         differ = {k: (v, w.get(k)) for k, v in c.items() if w.get(k) != v}
         assert not differ, f"step {c['step']}: chunked vs whole prefill {differ}"
 
@@ -324,6 +338,23 @@ def test_ranks_read_their_share_at_dp2_and_the_same_rows_at_tp2(whole, tp2_kille
     assert largest <= 1.1 * mean and largest <= 0.6 * tp2["data_plane/bytes_get"], (dp2, tp2)
 
 
+def test_an_engine_killed_mid_generation_is_replaced_within_the_step(chunked):
+    """The kill in step 2's generation (chunked's run): the prompts in flight go back, a new engine
+    starts in the dead one's bundle with the trainer's weights (checksums compared), the step
+    finishes; one line of events.jsonl, the restart counted, its time logged; the replacement's
+    log-prob agreement with the trainer as before the kill (fp32: noise of ~1e-6; a wrong or stale
+    weight shows as > 1e-2)."""
+    (event,) = [json.loads(line) for line in open(chunked.out / "events.jsonl")]
+    assert (event["event"], event["step"], event["restart"]) == ("engine_restart", 1, 1), event
+    assert event["requeued"] > 0 and 0 < event["seconds"] < 120 and "rollout engine 0" in event["what"], event
+    first, second = chunked.rows[:2]
+    assert (first["rollout/engine_restarts"], second["rollout/engine_restarts"]) == (0.0, 1.0)
+    assert "timing/engine_recovery" not in first and second["timing/engine_recovery"] == pytest.approx(
+        event["seconds"], abs=0.01)
+    before = first["rollout/logprob_diff_max"]
+    assert all(r["rollout/logprob_diff_max"] <= max(2 * before, 1e-5) for r in chunked.rows[1:]), chunked.rows
+
+
 def test_sigterm_saves_and_exits_cleanly(chunked):
     last = chunked.rows[-1]["step"]
     assert 2 <= last < 50  # stopped early ...
@@ -383,8 +414,9 @@ def _kill_first(title: str):
 
 def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets, long_prompts, capsys):
     """The restarts a user makes, on tp2's run (stopped by its dead engine in step 2, step 1
-    saved): resumed in early-stop mode (aborts push prompts back to the stream) and killed -9
-    while the ranks update step 3; resumed to the end as multi-node users run it (`ray start
+    saved): resumed in early-stop mode (aborts push prompts back to the stream), its engine killed
+    -9 in step 2's generation and replaced in the step (rollout.max_engine_restarts: the dead
+    engine's prompts generated again), and killed -9 while the ranks update step 3; resumed to the end as multi-node users run it (`ray start
     --head`, `ray job submit`: the driver finds the cluster through RAY_ADDRESS), where a training
     rank is killed -9 in its update and the run restarts itself from step 2's checkpoint
     (trainer.max_restarts); then one flipped bit in the newest checkpoint stops the next resume
@@ -395,21 +427,28 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
 
     from dapo_megatron.driver.loop import KILL_AT
     from dapo_megatron.main import main
+    from dapo_megatron.rollout.manager import KILL_ENGINE_AT
     out = tp2_killed.out
-    early_stop = {"algorithm.filter_groups.mode": "early_stop", "trainer.test_freq": 0, "trainer.max_restarts": 1}
+    early_stop = {"algorithm.filter_groups.mode": "early_stop", "trainer.test_freq": 0, "trainer.max_restarts": 1,
+                  "rollout.max_engine_restarts": 1}
     overrides = _overrides(tiny_assets, out, 3, **long_prompts, **TP2, **early_stop)
-    env = {k: v for k, v in os.environ.items() if k != KILL_AT}
+    env = {k: v for k, v in os.environ.items() if k not in (KILL_AT, KILL_ENGINE_AT)}
     env["RAY_ADDRESS"] = ""  # the killed run starts a local Ray of its own
-    killed = _main(overrides, {**env, KILL_AT: "update:3"})
+    # ... its engine also killed -9 mid-generation of step 2 and replaced in the step
+    killed = _main(overrides, {**env, KILL_AT: "update:3", KILL_ENGINE_AT: "2"})
     assert killed.returncode == -9, killed.stderr[-3000:]
     assert [r["step"] for r in _rows(out)] == [1, 2]
+    assert re.search(r"step 2: the rollout engine 0 died .*; \d+ prompts in flight generate again; replacing it "
+                     r"\(1 of rollout.max_engine_restarts=1\)", killed.stdout), killed.stdout[-3000:]
+    (engine,) = [json.loads(line) for line in open(out / "events.jsonl")]
+    assert (engine["event"], engine["step"]) == ("engine_restart", 1) and engine["requeued"] > 0, engine
     with _kill_first("ray::TrainWorker.step_update") as ranks_killed:  # step 3's update, in the job
         job = _job_submit(overrides, env)
     logs = job.stdout + job.stderr
     assert job.returncode == 0 and len(ranks_killed) == 1, logs[-3000:]
     assert "succeeded" in logs and "resumed from" in logs and "step_2" in logs and "step 3:" in logs, logs[-3000:]
     assert re.search(r"the training rank \d died: .*: restart 1 of trainer.max_restarts=1, from \S*step_2", logs), logs[-3000:]
-    (event,) = [json.loads(line) for line in open(out / "events.jsonl")]
+    (event,) = [json.loads(line) for line in open(out / "events.jsonl")][1:]
     assert (event["event"], event["step"], event["checkpoint"]) == ("restart", 2, str(out / "checkpoints" / "step_2"))
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]

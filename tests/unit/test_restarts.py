@@ -85,3 +85,42 @@ def test_the_command_says_what_died_in_one_line(tmp_path, monkeypatch, capsys):
     assert [line for line in err if line.startswith("error:")] == [f"error: {DIED} (trainer.max_restarts=1: every "
                                                                    f"restart spent)"]
     assert err[-1] == f"library output of the training ranks and engines: {tmp_path}/logs/"
+
+
+# rollout.max_engine_restarts: the manager's record of dead engines (rollout/health.py); the
+# replacement of a real engine killed -9 is tests/e2e/test_collect.py's and test_driver.py's.
+
+def test_a_dead_engine_waits_for_the_driver_until_engine_restarts_are_spent():
+    import threading
+
+    from dapo_megatron.rollout.health import EngineHealth
+    engines = ["engine0", "engine1"]  # handles, as far as the record goes
+    health = EngineHealth(engines, max_restarts=1)
+    health.report(1, RuntimeError("The actor died unexpectedly before finishing this task.\nRay's detail"), 3)
+    assert health.alive(0) and not health.alive(1)
+    (death,) = health.wait_dead(timeout=0)
+    assert (death.engine, death.cause, death.in_flight) == (1, "The actor died unexpectedly before finishing this task.", 3)
+    assert health.wait_dead(timeout=0) == []  # handed over once
+    threading.Timer(0.2, health.replace, (1, "engine1-restart1")).start()
+    health.wait_alive(any_of=False)  # the manager's wait before it hands the batch over
+    assert engines == ["engine0", "engine1-restart1"] and health.alive(1)
+    with pytest.raises(roles.RoleDied, match=r"^the rollout engine died: gone; restart the run.*"
+                                             r"\(rollout.max_engine_restarts=1: every restart spent\)$"):
+        health.report(0, RuntimeError("gone"), 1)
+
+
+def test_no_engine_restarts_is_todays_error():
+    """rollout.engine_timeout_s alone: a hung engine stops the run with today's error."""
+    from dapo_megatron.rollout.health import EngineHealth
+    health = EngineHealth(["engine0"], max_restarts=0, timeout_s=30.0)
+    with pytest.raises(roles.RoleDied) as err:
+        health.report(0, "no finished group for 31 s with 8 requests in flight (rollout.engine_timeout_s=30)", 8)
+    assert str(err.value) == str(roles.died("rollout engine", RuntimeError(
+        "no finished group for 31 s with 8 requests in flight (rollout.engine_timeout_s=30)")))
+
+
+@pytest.mark.parametrize("key", ["rollout.max_engine_restarts", "rollout.engine_timeout_s"])
+def test_negative_engine_keys_are_refused_naming_them(tmp_path, key):
+    with pytest.raises(ConfigError) as err:
+        load_config("quickstart", [f"{key}=-1", f"trainer.default_local_dir={tmp_path}"])
+    assert err.value.key == key

@@ -1,0 +1,112 @@
+"""Recovery times on the quickstart: a rollout engine and a training rank killed -9 mid-step.
+
+    python bench/fault_recovery.py [--steps 8] [--at 5]
+
+Two runs of the quickstart as a user starts it (`python -m dapo_megatron.main`, no validation):
+  engine: rollout.max_engine_restarts=1, the engine's process killed once it has requests of step
+          `--at`'s generation (DAPO_KILL_ENGINE_AT); the step goes on with a replacement.
+  rank:   trainer.max_restarts=1 and a checkpoint every 2 steps; training rank 0's process killed
+          in step `--at`'s update (found by its process title); the run restarts itself from the
+          newest checkpoint.
+For each: the time from the kill to serving again (engine: the replacement holds the weights and
+takes requests; rank: the restarted run's first phase done), to the end of the next finished
+step (its `sync` phase in phases.jsonl), and that less a median step (the time lost, about). Prompts: each step took from
+the stream exactly the prompts it scored (`data/prompts_consumed` against generated groups).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import psutil
+
+BASE = ["trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[jsonl]",
+        "trainer.resume_mode=disable"]
+
+
+def _lines(path: str) -> list[dict]:
+    return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+
+
+def _run(out: str, steps: int, overrides: list[str], env: dict, on_start=None) -> None:
+    cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
+           f"trainer.total_training_steps={steps}", *BASE, f"trainer.default_local_dir={out}", *overrides]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "RAY_ADDRESS": "", **env})
+    if on_start is not None:
+        on_start(proc)
+    _, err = proc.communicate(timeout=1800)
+    if proc.returncode:
+        raise SystemExit(f"the quickstart failed:\n{err[-3000:]}")
+
+
+def _kill_rank_in_update(out: str, step: int, killed: list) -> threading.Thread:
+    """kill -9 training rank 0 once `step - 1` steps are logged and it runs step_update."""
+    def watch():
+        metrics = os.path.join(out, "metrics.jsonl")
+        while len(_lines(metrics)) < step - 1:
+            time.sleep(0.05)
+        while not killed:
+            for proc in psutil.process_iter(["cmdline"]):
+                if " ".join(proc.info["cmdline"] or []).startswith("ray::TrainWorker.step_update"):
+                    os.kill(proc.pid, signal.SIGKILL)
+                    killed.append(time.time())
+                    return
+            time.sleep(0.02)
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def _summary(what: str, out: str, kill_at: float, back_at: float) -> dict:
+    rows, phases = _lines(os.path.join(out, "metrics.jsonl")), _lines(os.path.join(out, "phases.jsonl"))
+    done = min(p["end"] for p in phases if p["phase"] == "sync" and p["end"] > kill_at)
+    steps = {}
+    for r in rows:  # the last row of a step (a restarted run logs its steps again)
+        steps[r["step"]] = r
+    median = statistics.median(r["timing/step"] for r in steps.values())
+    consumed = [r["data/prompts_consumed"] for r in sorted(steps.values(), key=lambda r: r["step"])]
+    generated = [r["sampling/generated_groups"] for r in sorted(steps.values(), key=lambda r: r["step"])]
+    exact = consumed[0] == generated[0] and all(b - a == g for a, b, g in zip(consumed, consumed[1:], generated[1:]))
+    return {"what": what, "to_serving": back_at - kill_at, "to_step": done - kill_at,
+            "median_step": median, "steps": len(steps), "exact": exact}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--at", type=int, default=5)
+    args = p.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as root:
+        out = os.path.join(root, "engine")
+        _run(out, args.steps, ["rollout.max_engine_restarts=1"], {"DAPO_KILL_ENGINE_AT": str(args.at)})
+        (event,) = _lines(os.path.join(out, "events.jsonl"))
+        died = event["time"] - event["since_death_s"]  # the manager saw the death (~ms after the kill)
+        results.append(_summary("rollout engine (replaced in the step)", out, died, event["time"]))
+
+        out, killed = os.path.join(root, "rank"), []
+        _run(out, args.steps, ["trainer.max_restarts=1", "trainer.save_freq=2"], {},
+             on_start=lambda _: _kill_rank_in_update(out, args.at, killed))
+        (event,) = _lines(os.path.join(out, "events.jsonl"))
+        resumed = min(ph["end"] for ph in _lines(os.path.join(out, "phases.jsonl")) if ph["end"] > event["time"])
+        results.append(_summary("training rank (run restarted from its checkpoint)", out, killed[0], resumed))
+    print(f"\nrecovery on the quickstart, kill -9 in step {args.at} of {args.steps}")
+    head = ("killed", "kill -> serving again s", "kill -> next step done s", "median step s", "lost ~ s",
+            "steps logged", "prompts exact")
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for r in results:  # lost: past what a step takes anyway
+        print(f"| {r['what']} | {r['to_serving']:.1f} | {r['to_step']:.1f} | {r['median_step']:.2f} | "
+              f"{r['to_step'] - r['median_step']:.1f} | {r['steps']} | {r['exact']} |")
+
+
+if __name__ == "__main__":  # Ray and vLLM may spawn processes: the guard keeps them from re-running this
+    main()
