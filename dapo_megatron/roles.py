@@ -9,12 +9,21 @@ import ray
 
 class RoleDied(RuntimeError):
     """A role's process is gone (killed, OOM, a crashed library): the run restarts from its last
-    checkpoint (trainer.max_restarts) or stops with this message."""
+    checkpoint (trainer.max_restarts) or stops with this message. `what`: "the <role> died:
+    <cause>"; `spent`: the key whose restarts ran out, if any. Both are the exception's args, so
+    it crosses Ray (pickled) whole."""
+
+    def __init__(self, what: str, spent: str = ""):
+        super().__init__(what, spent)
+        self.what, self.spent = what, spent
+
+    def __str__(self) -> str:
+        spent = f" ({self.spent}: every restart spent)" if self.spent else ""
+        return f"{self.what}; restart the run, it resumes from the last checkpoint (trainer.resume_mode=auto){spent}"
 
 
-def died(role: str, exc: Exception) -> RoleDied:
-    return RoleDied(f"the {role} died: {str(exc).splitlines()[0].rstrip('.')}; restart the run, it resumes "
-                    f"from the last checkpoint (trainer.resume_mode=auto)")
+def died(role: str, exc: Exception | str, spent: str = "") -> RoleDied:
+    return RoleDied(f"the {role} died: {str(exc).splitlines()[0].rstrip('.')}", spent)
 
 
 def as_role(role: str, fn: Callable, *args):

@@ -178,11 +178,11 @@ def run(cfg: DapoConfig) -> int:
             return _run(cfg)
         except roles.RoleDied as died:
             if restarts == limit and limit:
-                raise roles.RoleDied(f"{died} (trainer.max_restarts={limit}: every restart spent)") from None
+                raise roles.RoleDied(died.what, f"trainer.max_restarts={limit}") from None
             if restarts == limit:
                 raise
             restarts += 1
-            what, checkpoint = str(died).split("; restart the run")[0], getattr(died, "checkpoint", None)
+            what, checkpoint = died.what, getattr(died, "checkpoint", None)
             print(f"{what}: restart {restarts} of trainer.max_restarts={limit}, from {checkpoint or 'the start'} "
                   f"(the dead role's output stays in {os.path.join(cfg.trainer.default_local_dir, LOGS)}/)",
                   flush=True)
@@ -193,7 +193,11 @@ def run(cfg: DapoConfig) -> int:
 
 
 def _run(cfg: DapoConfig) -> int:
-    ctx = setup.prepare(cfg)
+    try:
+        ctx = setup.prepare(cfg)
+    except roles.RoleDied:  # a role died starting: its placement group goes with this Ray, or
+        ray.shutdown()  # the restart's would wait for devices it still holds
+        raise
     setup.write_config(cfg, ctx.out_dir)
     logger = MetricsLogger(ctx.out_dir, cfg.trainer.logger, project=cfg.trainer.project_name,
                            experiment=cfg.trainer.experiment_name)

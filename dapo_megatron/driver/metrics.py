@@ -80,6 +80,29 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(values, step=step)
 
+    def rewind(self, step: int) -> int:
+        """The run goes on from a checkpoint of `step`: rows of later steps (trained by an attempt
+        whose weights died with it) move to metrics.discarded.jsonl, so that metrics.jsonl and
+        curves.png keep one row per step; TensorBoard hides its events past `step`. Returns the
+        number of rows moved."""
+        if self._tb is not None:  # a new event file whose purge hides what the old ones hold past `step`
+            from torch.utils.tensorboard import SummaryWriter
+            self._tb.close()
+            self._tb = SummaryWriter(os.path.join(self.out_dir, "tensorboard"), purge_step=step + 1)
+        if not os.path.exists(self.jsonl_path):
+            return 0
+        with open(self.jsonl_path) as f:
+            lines = [line for line in f if line.strip()]
+        later = [line for line in lines if json.loads(line)["step"] > step]
+        if later:
+            with open(os.path.join(self.out_dir, "metrics.discarded.jsonl"), "a") as f:
+                f.writelines(later)
+            tmp = self.jsonl_path + ".tmp"
+            with open(tmp, "w") as f:
+                f.writelines(line for line in lines if json.loads(line)["step"] <= step)
+            os.replace(tmp, self.jsonl_path)
+        return len(later)
+
     def history(self) -> list[dict]:
         if not os.path.exists(self.jsonl_path):
             return []

@@ -238,7 +238,10 @@ def resume(run) -> None:
     roles.get("rollout manager", run.ctx.manager.load_state_dict.remote(state))
     sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync,
                  verify=run.cfg.rollout.sync.verify_every > 0)  # engines start from the HF weights
-    print(f"resumed from {path} at step {run.step}", flush=True)
+    moved = run.logger.rewind(run.step)
+    later = f"; the metrics of {moved} later steps (their weights were not saved) moved to " \
+            f"metrics.discarded.jsonl" if moved else ""
+    print(f"resumed from {path} at step {run.step}{later}", flush=True)
 
 
 def shutdown(run) -> None:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import ray
 
-from dapo_megatron.roles import RoleDied, died
+from dapo_megatron.roles import died
 
 # How long a collection waits for the driver to bring a replacement before it gives up: an
 # engine's start-up (minutes for a 30B model) plus its weight sync, with room.
@@ -52,11 +52,8 @@ class EngineHealth:
         the driver. Called at most once per engine until it is replaced."""
         cause = str(error).splitlines()[0] if str(error) else type(error).__name__
         if self.restarts >= self.max_restarts:
-            exc = RuntimeError(cause)
-            if self.max_restarts:
-                raise RoleDied(f"{died('rollout engine', exc)} (rollout.max_engine_restarts={self.max_restarts}: "
-                               "every restart spent)")
-            raise died("rollout engine", exc)
+            raise died("rollout engine", cause,
+                       f"rollout.max_engine_restarts={self.max_restarts}" if self.max_restarts else "")
         with self._cv:
             self.restarts += 1
             death = Death(engine, cause, in_flight, time.time())

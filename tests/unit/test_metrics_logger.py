@@ -46,3 +46,25 @@ def test_curves_mark_the_runs_events(tmp_path):
     log.close()
     assert json.loads(open(tmp_path / "events.jsonl").read())["step"] == 2
     assert marked != plain and marked[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_resumed_run_keeps_one_row_per_step(tmp_path):
+    """Resumed from step 2's checkpoint after steps 3 and 4 were logged (a crash, save_freq 2):
+    their rows move to metrics.discarded.jsonl (kept, not lost) and the steps logged again are the
+    only rows of 3 and 4 in metrics.jsonl; TensorBoard's writer starts again past step 2."""
+    log = MetricsLogger(str(tmp_path), ["jsonl", "tensorboard"])
+    for step in range(0, 5):
+        log.log(step, {"reward/mean": 0.1 * step})
+    assert log.rewind(4) == 0 and len(log.history()) == 5  # nothing later than the checkpoint
+    assert log.rewind(2) == 2
+    for step in (3, 4):
+        log.log(step, {"reward/mean": 1.0 + step})
+    log.close()
+    assert [(r["step"], r["reward/mean"]) for r in log.history()] == [(0, 0.0), (1, 0.1), (2, 0.2), (3, 4.0), (4, 5.0)]
+    discarded = [json.loads(line) for line in open(tmp_path / "metrics.discarded.jsonl")]
+    assert [(r["step"], r["reward/mean"]) for r in discarded] == [(3, 0.1 * 3), (4, 0.1 * 4)]
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = accumulator.EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [(e.step, round(e.value, 2)) for e in events.Scalars("reward/mean")] == [
+        (0, 0.0), (1, 0.1), (2, 0.2), (3, 4.0), (4, 5.0)]

@@ -10,7 +10,8 @@ from dapo_megatron import roles
 from dapo_megatron.config import ConfigError, load_config
 from dapo_megatron.driver import loop
 
-DIED = "the actor died: The actor died unexpectedly; restart the run, it resumes from the last checkpoint"
+WHAT = "the actor died: The actor died unexpectedly"
+DIED = f"{WHAT}; restart the run, it resumes from the last checkpoint (trainer.resume_mode=auto)"
 
 
 def _cfg(tmp_path, restarts):
@@ -22,7 +23,7 @@ def _dies(calls: list, deaths: int, checkpoint=True):
     def attempt(cfg):
         calls.append(cfg.trainer.resume_mode)
         if len(calls) <= deaths:
-            died = roles.RoleDied(DIED)
+            died = roles.RoleDied(WHAT)
             died.checkpoint, died.step = (f"/run/checkpoints/step_{len(calls)}" if checkpoint else None), len(calls)
             raise died
         return 0
@@ -37,7 +38,7 @@ def test_a_dead_role_restarts_the_run_from_its_newest_checkpoint(tmp_path, monke
     events = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
     assert [(e["event"], e["step"], e["checkpoint"], e["restart"]) for e in events] == [
         ("restart", 1, "/run/checkpoints/step_1", 1), ("restart", 2, "/run/checkpoints/step_2", 2)]
-    assert events[0]["what"] == "the actor died: The actor died unexpectedly" and events[0]["time"] > 0
+    assert events[0]["what"] == WHAT and events[0]["time"] > 0
     out = capsys.readouterr().out
     assert ("the actor died: The actor died unexpectedly: restart 1 of trainer.max_restarts=2, from "
             "/run/checkpoints/step_1") in out
@@ -78,7 +79,7 @@ def test_the_command_says_what_died_in_one_line(tmp_path, monkeypatch, capsys):
     from dapo_megatron.main import EXIT_ROLE_DIED, main
 
     def dead(cfg):
-        raise roles.RoleDied(DIED + " (trainer.max_restarts=1: every restart spent)")
+        raise roles.RoleDied(WHAT, "trainer.max_restarts=1")
     monkeypatch.setattr(loop, "run", dead)
     assert main(["--config-name", "quickstart", f"trainer.default_local_dir={tmp_path}"]) == EXIT_ROLE_DIED == 1
     err = capsys.readouterr().err.splitlines()
@@ -115,8 +116,9 @@ def test_no_engine_restarts_is_todays_error():
     health = EngineHealth(["engine0"], max_restarts=0, timeout_s=30.0)
     with pytest.raises(roles.RoleDied) as err:
         health.report(0, "no finished group for 31 s with 8 requests in flight (rollout.engine_timeout_s=30)", 8)
-    assert str(err.value) == str(roles.died("rollout engine", RuntimeError(
-        "no finished group for 31 s with 8 requests in flight (rollout.engine_timeout_s=30)")))
+    assert str(err.value) == ("the rollout engine died: no finished group for 31 s with 8 requests in flight "
+                              "(rollout.engine_timeout_s=30); restart the run, it resumes from the last checkpoint "
+                              "(trainer.resume_mode=auto)")
 
 
 @pytest.mark.parametrize("key", ["rollout.max_engine_restarts", "rollout.engine_timeout_s"])
@@ -124,3 +126,28 @@ def test_negative_engine_keys_are_refused_naming_them(tmp_path, key):
     with pytest.raises(ConfigError) as err:
         load_config("quickstart", [f"{key}=-1", f"trainer.default_local_dir={tmp_path}"])
     assert err.value.key == key
+
+
+def test_a_dead_role_crosses_ray_whole():
+    """Raised in the rollout manager, a RoleDied reaches the driver pickled: the same message and
+    fields (its args), not the message twice."""
+    import pickle
+    died = roles.died("rollout engine", RuntimeError("gone.\ndetail"), "rollout.max_engine_restarts=2")
+    back = pickle.loads(pickle.dumps(died))
+    assert (back.what, back.spent, str(back)) == ("the rollout engine died: gone", "rollout.max_engine_restarts=2",
+                                                 str(died))
+    assert str(died).endswith("(trainer.resume_mode=auto) (rollout.max_engine_restarts=2: every restart spent)")
+
+
+def test_a_role_dead_at_start_up_takes_its_ray_with_it(tmp_path, monkeypatch):
+    """A role dying in setup.prepare (e.g. a rank's set-up) shuts Ray down before the restart, or
+    the restart's placement group would wait for the devices the first one still holds."""
+    shutdowns = []
+
+    def prepare(cfg):
+        raise roles.RoleDied(WHAT)
+    monkeypatch.setattr(loop.setup, "prepare", prepare)
+    monkeypatch.setattr(loop.ray, "shutdown", lambda: shutdowns.append(1))
+    with pytest.raises(roles.RoleDied):
+        loop._run(_cfg(tmp_path, 1))
+    assert shutdowns == [1]
