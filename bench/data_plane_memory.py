@@ -1,9 +1,12 @@
 """Memory over a long run: what the data plane holds, and every process's RSS step by step.
 
-    python bench/data_plane_memory.py [--steps 2000] [--every 200] [--after 100] [--plot PATH] [key=value ...]
+    python bench/data_plane_memory.py [--steps 2000] [--every 200] [--after 100] [--plot PATH]
+                                      [--dynamic-sampling] [--save PATH] [key=value ...]
 
-Runs the quickstart as a user does (`python -m dapo_megatron.main`, dynamic sampling on; no
-validation or checkpoints) and samples every 2 s the resident memory (RSS) of each role of its
+Runs the quickstart as a user does (`python -m dapo_megatron.main`; no validation or
+checkpoints; dynamic sampling off unless `--dynamic-sampling`: as the tiny model learns, its
+groups turn all-correct and the rounds per step grow, 1 -> 10 and 1.4 -> 8 s a step by step 400,
+so thousands of steps would take hours, and a step's work would not be constant) and samples every 2 s the resident memory (RSS) of each role of its
 process tree: the driver, the rollout manager, TransferQueue's controller and storage units, the
 engine, the training ranks, Ray's GCS and raylet. Prints, every `--every` steps, the RSS of each
 role and `data_plane/resident_mb` (bytes still stored after the step's clear: 0 when every step's
@@ -33,9 +36,9 @@ ROLES = {"driver": "driver", "ray::RolloutManager": "rollout manager", "ray::Tra
 class RssByStep(TreeSampler):
     """step -> {role: summed RSS MB}, the last sample taken while that many steps were logged."""
 
-    def __init__(self, root: int, metrics: str, every_s: float = 2.0):
+    def __init__(self, root: int, metrics: str, every_s: float = 2.0, save: str = ""):
         super().__init__(root, every_s)
-        self.metrics, self.by_step = metrics, {}
+        self.metrics, self.by_step, self.save, self.reads = metrics, {}, save, 0
 
     def read(self, procs: list[psutil.Process]) -> None:
         step = sum(1 for _ in open(self.metrics)) if os.path.exists(self.metrics) else 0
@@ -49,6 +52,10 @@ class RssByStep(TreeSampler):
             except psutil.Error:
                 pass
         self.by_step[step] = dict(rss)
+        self.reads += 1
+        if self.save and self.reads % 50 == 0:  # what a long run has sampled survives its end
+            with open(self.save, "w") as f:
+                json.dump(self.by_step, f)
 
 
 def slope_kb(points: list[tuple[int, float]]) -> float:
@@ -86,15 +93,18 @@ def main() -> None:
     p.add_argument("--every", type=int, default=200)
     p.add_argument("--after", type=int, default=100, help="slopes over the steps after this one")
     p.add_argument("--plot", default="", help="write RSS against step to this PNG")
+    p.add_argument("--dynamic-sampling", action="store_true", help="keep algorithm.filter_groups on")
+    p.add_argument("--save", default="", help="write the samples (step -> RSS MB by role) here as they come")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
                f"trainer.total_training_steps={args.steps}", "trainer.save_freq=0", "trainer.test_freq=0",
                "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}",
-               "trainer.resume_mode=disable", *args.overrides]
+               "trainer.resume_mode=disable", f"algorithm.filter_groups.enable={args.dynamic_sampling}".lower(),
+               *args.overrides]
         proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        sampler = RssByStep(proc.pid, os.path.join(out, "metrics.jsonl"))
+        sampler = RssByStep(proc.pid, os.path.join(out, "metrics.jsonl"), save=args.save)
         sampler.start()
         _, err = proc.communicate()
         sampler.stop.set()
@@ -102,14 +112,17 @@ def main() -> None:
         if proc.returncode:
             raise SystemExit(f"the quickstart failed:\n{err[-3000:]}")
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    by_step, names = sampler.by_step, [n for n in ROLES.values() if any(n in r for r in sampler.by_step.values())]
+    # Samples taken once every step was logged see the run shutting down: left out.
+    by_step = {s: r for s, r in sampler.by_step.items() if s < args.steps}
+    names = [n for n in ROLES.values() if any(n in r for r in by_step.values())]
     print(f"\nRSS (MB) of each role over {args.steps} quickstart steps")
     head = ("step", "data_plane/resident_mb", *names, "step s")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         s = r["step"]
-        if (s == 1 or s % args.every == 0) and s in by_step:
-            cells = [f"{by_step[s].get(n, float('nan')):.1f}" for n in names]
+        if s == 1 or s % args.every == 0:  # the sample taken nearest that step (one every 2 s)
+            near = by_step[min(by_step, key=lambda k: abs(k - s))]
+            cells = [f"{near.get(n, float('nan')):.1f}" for n in names]
             print(f"| {s} | {r['data_plane/resident_mb']:.3f} | " + " | ".join(cells) + f" | {r['timing/step']:.2f} |")
     print(f"\nslope after step {args.after} (kB per step; target < 1)")
     print("| " + " | ".join(names) + " |\n|" + "---|" * len(names))
