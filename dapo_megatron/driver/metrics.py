@@ -93,15 +93,15 @@ class MetricsLogger:
             return 0
         with open(self.jsonl_path) as f:
             lines = [line for line in f if line.strip()]
-        later = [line for line in lines if json.loads(line)["step"] > step]
-        if later:
+        later = [json.loads(line)["step"] > step for line in lines]
+        if any(later):
             with open(os.path.join(self.out_dir, "metrics.discarded.jsonl"), "a") as f:
-                f.writelines(later)
+                f.writelines(line for line, gone in zip(lines, later) if gone)
             tmp = self.jsonl_path + ".tmp"
             with open(tmp, "w") as f:
-                f.writelines(line for line in lines if json.loads(line)["step"] <= step)
+                f.writelines(line for line, gone in zip(lines, later) if not gone)
             os.replace(tmp, self.jsonl_path)
-        return len(later)
+        return sum(later)
 
     def history(self) -> list[dict]:
         if not os.path.exists(self.jsonl_path):

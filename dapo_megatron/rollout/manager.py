@@ -8,6 +8,8 @@ synchronous loop the trainer asks for each batch after its weight push, so gener
 take turns as the DAPO recipe does; with trainer.mode=one_step_off it asks for the next batch
 before it trains on this one (a producer running ahead on its own is not built yet).
 Its state (prompt position, sampler counters) goes into every checkpoint through the driver.
+With rollout.max_engine_restarts it also keeps the engines' health (rollout/health.py): a dead
+engine's prompts are generated again and the driver brings its replacement.
 """
 from __future__ import annotations
 
