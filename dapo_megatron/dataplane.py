@@ -78,7 +78,10 @@ def start(cfg) -> Handle:
     import transfer_queue.interface as tq_state
     tq_state._TQ_CLIENT = tq_state._TQ_STORAGE = tq_state._TQ_CONTROLLER = None
     _CLIENTS.clear()
-    simple = {"num_data_storage_units": cfg.storage_units}
+    # TransferQueue pins its storage units round-robin to the cluster's alive nodes; a head started
+    # with no CPU (`ray start --head --num-cpus=0`) could take one it never schedules: only nodes
+    # with CPUs are eligible.
+    simple = {"num_data_storage_units": cfg.storage_units, "required_node_resource": "CPU"}
     if cfg.capacity:
         simple["total_storage_size"] = cfg.capacity
     tq.init({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": simple}})

@@ -2,9 +2,30 @@
 an error a role raised reaches the caller as itself, not wrapped in the role's traceback."""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import ray
+
+# While a call waits, how often the process's watch (`set_watch`) looks for roles that died
+# elsewhere: a role blocked on a dead peer outside Ray (the rollout manager on a lost node's data
+# plane, over ZMQ) would otherwise keep the call waiting forever.
+WATCH_S = 2.0
+_watch: Optional[Callable[[], None]] = None
+
+
+def set_watch(watch: Optional[Callable[[], None]]) -> None:
+    """`watch()` raises RoleDied for a role found dead; the driver sets one per run (driver/recovery.py)."""
+    global _watch
+    _watch = watch
+
+
+def wait(refs: list, num_returns: int) -> list:
+    """ray.wait without a timeout, the watch asked every WATCH_S while it waits; the refs done."""
+    while True:
+        done, _ = ray.wait(refs, num_returns=num_returns, timeout=WATCH_S if _watch else None)
+        if len(done) >= num_returns or _watch is None:
+            return done
+        _watch()
 
 
 class RoleDied(RuntimeError):
@@ -37,12 +58,16 @@ def as_role(role: str, fn: Callable, *args):
 def get(role: str, refs):
     """ray.get of a role's call(s). An exception the role raised (e.g. the manager's "the rollout
     engine died") is re-raised as the original, so the console's last line is the role's message."""
-    def wait():
+    def get_():
+        pending = refs if isinstance(refs, list) else [refs]
+        wait(pending, len(pending))
         try:
             return ray.get(refs)
         except ray.exceptions.RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
                 raise cause from None
+            if isinstance(cause, ray.exceptions.RayActorError):  # the role lives; what it called does not
+                raise died(f"actor the {role} called", cause) from None
             raise
-    return as_role(role, wait)
+    return as_role(role, get_)

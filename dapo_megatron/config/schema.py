@@ -241,6 +241,9 @@ class TrainerConfig:
     # A role that dies (a training rank, the rollout manager, an engine) restarts the whole run in
     # this job from its last checkpoint, this many times; 0: the run stops with the role's error.
     max_restarts: int = 0
+    # How long the run waits for its devices at start (and at each restart: a lost node rejoining)
+    # before it stops naming this key; 0: no limit.
+    placement_timeout_s: float = 1800.0
     max_checkpoints_to_keep: int = 2
     default_local_dir: str = "outputs/${trainer.project_name}/${trainer.experiment_name}"
     logger: List[str] = field(default_factory=lambda: ["console", "jsonl"])

@@ -101,6 +101,8 @@ def _check_positive(cfg: DapoConfig) -> None:
     _require(cfg.reward.timeout_s > 0, "reward.timeout_s", "reward.timeout_s must be positive")
     _require(cfg.trainer.max_restarts >= 0, "trainer.max_restarts",
              f"trainer.max_restarts must be >= 0 (0: a dead role stops the run), got {cfg.trainer.max_restarts}")
+    _require(cfg.trainer.placement_timeout_s >= 0, "trainer.placement_timeout_s",
+             f"trainer.placement_timeout_s must be >= 0 seconds (0: no limit), got {cfg.trainer.placement_timeout_s}")
     _require(cfg.rollout.max_engine_restarts >= 0, "rollout.max_engine_restarts",
              f"rollout.max_engine_restarts must be >= 0 (0: a dead engine stops the run), "
              f"got {cfg.rollout.max_engine_restarts}")

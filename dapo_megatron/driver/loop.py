@@ -25,7 +25,7 @@ from dapo_megatron.config import DapoConfig
 from dapo_megatron.driver import setup
 from dapo_megatron.driver.colocate import TimeShare
 from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, write_event
-from dapo_megatron.driver.recovery import wait_manager
+from dapo_megatron.driver.recovery import RoleWatch, wait_manager
 from dapo_megatron.logs import LOGS
 
 
@@ -203,6 +203,7 @@ def _run(cfg: DapoConfig) -> int:
                            experiment=cfg.trainer.experiment_name)
     run_ = Run(cfg, ctx, logger, TimeShare.from_config(cfg, ctx.train, ctx.engines), PhaseLog(ctx.out_dir))
     signal.signal(signal.SIGTERM, lambda *_: setattr(run_, "stop_requested", True))
+    roles.set_watch(RoleWatch(skip_engines=cfg.rollout.max_engine_restarts > 0))
     try:
         return _loop(run_)
     except roles.RoleDied as died:
@@ -213,6 +214,8 @@ def _run(cfg: DapoConfig) -> int:
         run_.logger.close()
         ray.shutdown()
         raise
+    finally:
+        roles.set_watch(None)
 
 
 def _loop(run_: Run) -> int:

@@ -9,21 +9,25 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import ray
 from ray.util.placement_group import placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from dapo_megatron import dataplane
-from dapo_megatron.config import DapoConfig, num_engines, role_devices
+from dapo_megatron.config import ConfigError, DapoConfig, num_engines, role_devices
 from dapo_megatron.device import get_device
 from dapo_megatron.driver.workers import TrainGroup, TrainWorker
 from dapo_megatron.logs import log_file
 from dapo_megatron.models import ModelSpec
 
 SHARE = 0.5  # fraction of a colocated device each role asks Ray for
+# While the devices are missing (a lost node not back yet, a cluster still growing): the first
+# line after this many seconds, then one a minute.
+WAIT_LINE_S = (5.0, 60.0)
 ENGINE_NAME = "dapo-engine"  # engines are named actors: `ray.get_actor("dapo-engine-0")` finds one
 
 
@@ -51,6 +55,46 @@ def init_ray(cfg: DapoConfig) -> None:
         ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
 
 
+def wait_for_devices(pg, resource: str, count: int, timeout_s: float) -> None:
+    """The placement group's bundles, waited for with a line now and then saying what is missing:
+    after a node is lost (a run restarting under trainer.max_restarts) its devices come back when
+    the node rejoins or another takes its place. Up to trainer.placement_timeout_s (0: no limit)."""
+    ready, start = pg.ready(), time.monotonic()
+    line_at = WAIT_LINE_S[0]
+    while True:
+        waited = time.monotonic() - start
+        left = timeout_s - waited if timeout_s else float("inf")
+        done, _ = ray.wait([ready], timeout=max(0.0, min(line_at - waited, left)))
+        if done:
+            ray.get(ready)
+            return
+        waited = time.monotonic() - start
+        if timeout_s and waited >= timeout_s:
+            ray.util.remove_placement_group(pg)
+            raise ConfigError("trainer.placement_timeout_s", f"the cluster did not offer {count} x {resource} in "
+                              f"trainer.placement_timeout_s={timeout_s:g} s ({_cluster_now(resource)}); bring its "
+                              f"nodes back, or ask fewer devices (trainer.nnodes, trainer.n_gpus_per_node)")
+        if waited >= line_at:
+            print(f"placement: waiting {waited:.0f} s for {count} x {resource} ({_cluster_now(resource)}); a lost "
+                  f"node's devices count again once it rejoins (trainer.placement_timeout_s={timeout_s:g})", flush=True)
+            line_at = waited + WAIT_LINE_S[1]
+
+
+def _cluster_now(resource: str) -> str:
+    alive = sum(1 for node in ray.nodes() if node["Alive"])
+    free, total = ray.available_resources().get(resource, 0), ray.cluster_resources().get(resource, 0)
+    return f"{free:g} free of {total:g} on {alive} alive node{'s' if alive != 1 else ''}"
+
+
+def beside_driver() -> dict:
+    """Options of the rollout manager (no device): on the driver's node, the head under `ray job
+    submit`, so the control plane does not die with a device node and sees that node's roles die
+    (driver/recovery.RoleWatch). It asks no resource, so any node can take it; not `soft`: Ray then
+    moved it off a head started with no CPU (measured, Ray 2.60)."""
+    node = ray.get_runtime_context().get_node_id()
+    return dict(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+
+
 def _options(device, pg, bundle: int, share: float) -> dict:
     strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle)
     return dict(device.ray_options(share), scheduling_strategy=strategy)
@@ -67,7 +111,7 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
     colocated = cfg.trainer.placement == "colocated"
     total = devices["actor"] if colocated else devices["actor"] + devices["rollout"]
     pg = placement_group([{device.ray_resource: 1}] * total, strategy="PACK")
-    ray.get(pg.ready(), timeout=300)
+    wait_for_devices(pg, device.ray_resource, total, cfg.trainer.placement_timeout_s)
     share = SHARE if colocated else 1.0
     world = devices["actor"]
     run_dir = cfg.trainer.default_local_dir

@@ -6,6 +6,8 @@ training ranks: it starts a replacement in the dead engine's bundle, syncs the c
 into it alone (checksums compared), and hands it to the manager. Ray gives the death
 (RayActorError) and frees the bundle; Ray's own actor restart (max_restarts) is not used: it
 would bring the engine back with the checkpoint's weights, not the trainer's current ones.
+`RoleWatch` finds the roles that died where no call of the driver would say so (a lost node's data
+plane); trainer.max_restarts then restarts the run, whose placement waits for the node to return.
 """
 from __future__ import annotations
 
@@ -19,23 +21,59 @@ from dapo_megatron.driver.metrics import write_event
 from dapo_megatron.rollout.health import Death
 
 POLL_S = 60.0  # the manager's long poll for deaths returns empty after this; the driver asks again
+WATCH_GRACE_S = 10.0  # a death the awaited call has not raised by then is the watch's to report
+ROLE_NAMES = {"TrainWorker": "training rank", "EngineActor": "rollout engine", "RolloutManager": "rollout manager",
+              "TransferQueueController": "data plane's controller", "SimpleStorageUnit": "data plane's storage unit"}
+UNEXPECTED = {"WORKER_DIED", "NODE_DIED"}  # not a ray.kill, an exit or a handle gone out of scope
 
 
 def wait_manager(run, ref, get: bool = True):
     """roles.get of a manager call that collects (a batch), replacing engines that die meanwhile;
     get=False: only until it is done (its errors are the taker's)."""
     if not run.cfg.rollout.max_engine_restarts:
-        return roles.get("rollout manager", ref) if get else ray.wait([ref], num_returns=1)
+        return roles.get("rollout manager", ref) if get else roles.wait([ref], 1)
     while True:
         if run.deaths is None:
             run.deaths = run.ctx.manager.engine_deaths.remote(POLL_S)
-        ray.wait([ref, run.deaths], num_returns=1)
+        roles.wait([ref, run.deaths], 1)
         if ray.wait([run.deaths], timeout=0)[0]:
             deaths, run.deaths = roles.get("rollout manager", run.deaths), None
             for death in deaths:
                 replace(run, death)
             continue
         return roles.get("rollout manager", ref) if get else None
+
+
+class RoleWatch:
+    """The run's roles that died where no call of the driver sees it (`roles.set_watch`): a lost
+    node takes the data plane's actors with it, and the rollout manager then waits on their ZMQ
+    sockets forever. Ray's GCS knows every actor of this job that died, and how; engines are left
+    to the manager when rollout.max_engine_restarts replaces them."""
+
+    def __init__(self, skip_engines: bool):
+        from ray._private import state  # the GCS actor table (ray.util.state needs the dashboard)
+        self.actors = state.actors
+        self.job = ray.JobID.from_hex(ray.get_runtime_context().get_job_id())
+        self.skip = {"EngineActor"} if skip_engines else set()
+        self.since = time.time()  # deaths before (a start-up's) were the caller's to see
+
+    def __call__(self) -> None:
+        now, dead = time.time(), []
+        for actor in self.actors(job_id=self.job, actor_state_name="DEAD").values():
+            context = actor["DeathCause"].actor_died_error_context
+            reason = context.Reason.Name(context.reason)
+            if (reason in UNEXPECTED and actor["ActorClassName"].rsplit(".", 1)[-1] not in self.skip
+                    and self.since <= actor["EndTime"] / 1000 < now - WATCH_GRACE_S):
+                dead.append((actor, reason))
+        if not dead:
+            return
+        classes = [a["ActorClassName"].rsplit(".", 1)[-1] for a, _ in dead]
+        names = [f"{ROLE_NAMES.get(c, c)} (pid {a['Pid']})" for c, (a, _) in zip(classes, dead)]
+        nodes = sorted({a["Address"]["NodeID"][:8] for a, reason in dead if reason == "NODE_DIED"})
+        if nodes:
+            raise roles.RoleDied(f"the Ray node {', '.join(nodes)} died, and with it the {', '.join(names)}")
+        message = dead[0][0]["DeathCause"].actor_died_error_context.error_message
+        raise roles.died(names[0], message.split(". ")[0])  # Ray's next sentences guess at causes
 
 
 def replace(run, death: Death) -> None:

@@ -14,7 +14,7 @@ from dapo_megatron import dataplane, roles
 from dapo_megatron.config import ConfigError, DapoConfig, check_model
 from dapo_megatron.config.schema import DataConfig, SyncConfig
 from dapo_megatron.data.dataset import PromptDataset
-from dapo_megatron.driver.placement import Placement, init_ray, place
+from dapo_megatron.driver.placement import Placement, beside_driver, init_ray, place
 from dapo_megatron.logs import log_file
 from dapo_megatron.models import ModelSpec
 from dapo_megatron.roles import as_role
@@ -116,7 +116,7 @@ def prepare(cfg: DapoConfig) -> Context:
     handle = dataplane.Handle(cfg.data_plane.backend)
     placement = place(cfg, model_path, spec, cfg.data.max_prompt_length + cfg.data.max_response_length,
                       tokenizer_path=tokenizer_dir, data_plane=handle)
-    manager = manager_actor().options(num_cpus=0).remote(
+    manager = manager_actor().options(**beside_driver()).remote(
         _absolute_custom_fn(cfg), placement.engines, tokenizer_dir, handle, train_data, val_data, stop_token_ids(tokenizer),
         log_path=log_file(cfg.trainer.default_local_dir, "rollout-manager"), start_data_plane=True)
     as_role("actor", placement.train.setup, total)

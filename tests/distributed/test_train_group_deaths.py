@@ -1,7 +1,9 @@
 """TrainGroup's call on every rank (driver/workers.py) over a local Ray, with stand-in ranks (Ray
 actors that return, raise or exit, not Megatron ranks): a rank that died is named as a RoleDied
 even when a live rank's call fails first (its collective lost the peer) or would still run; a
-rank's own error is raised as itself, also when it is the last call to end."""
+rank's own error is raised as itself, also when it is the last call to end. And the driver's
+watch (driver/recovery.RoleWatch): a call that would wait forever on a dead peer outside Ray
+ends with a RoleDied naming the dead role; a role killed on purpose is not one."""
 from __future__ import annotations
 
 import os
@@ -17,6 +19,13 @@ from dapo_megatron.driver.workers import TrainGroup
 def _stand_in_rank():
     # defined in a function: Ray pickles it by value (workers cannot import this test module)
     class StandInRank:
+        def pid(self):
+            return os.getpid()
+
+        def call(self, peer, what: str):
+            import ray
+            return ray.get(peer.act.remote(what, 0.0))
+
         def act(self, what: str, after_s: float):
             time.sleep(after_s)
             if what == "die":
@@ -61,3 +70,39 @@ def test_a_ranks_own_error_is_itself_also_from_the_last_call(ray_local, monkeypa
     with pytest.raises(ValueError, match="rank error"):
         _call(ray_local, [("raise", 0.0), ("ok", 0.2)])
     assert _call(ray_local, [("ok", 0.0), ("fine", 0.1)]) == ["ok", "fine"]
+
+
+def test_a_call_blocked_on_a_dead_peer_ends_naming_it(ray_local, monkeypatch):
+    """The stand-in 'manager' waits forever (as on a dead data plane's ZMQ socket); its peer, a
+    stand-in data-plane actor, is killed -9. Without the watch roles.get would never return."""
+    import signal
+
+    from dapo_megatron.driver import recovery
+    monkeypatch.setattr(roles, "WATCH_S", 0.2)
+    monkeypatch.setattr(recovery, "WATCH_GRACE_S", 1.0)
+    ray = ray_local
+    manager, peer, spare = (ray.remote(_stand_in_rank()).options(num_cpus=0).remote() for _ in range(3))
+    pid, _ = ray.get([peer.pid.remote(), spare.pid.remote()])
+    watch = recovery.RoleWatch(skip_engines=False)
+    ray.kill(spare)  # on purpose: not a death the watch reports
+    time.sleep(1.5)
+    watch()
+    blocked = manager.act.remote("ok", 3600.0)
+    roles.set_watch(watch)
+    try:
+        os.kill(pid, signal.SIGKILL)
+        t0 = time.perf_counter()
+        with pytest.raises(roles.RoleDied, match=rf"^the StandInRank \(pid {pid}\) died: The actor is dead because its worker process has died; "):
+            roles.get("rollout manager", blocked)
+        assert time.perf_counter() - t0 < 15
+    finally:
+        roles.set_watch(None)
+        ray.kill(manager)
+
+
+def test_a_role_whose_peer_died_is_not_named_dead(ray_local):
+    """The manager's own call to a peer fails (the peer died): the manager lives, the peer is named."""
+    caller, peer = (ray_local.remote(_stand_in_rank()).options(num_cpus=0).remote() for _ in range(2))
+    with pytest.raises(roles.RoleDied, match=r"^the actor the rollout manager called died: "):
+        roles.get("rollout manager", caller.call.remote(peer, "die"))
+    assert roles.get("rollout manager", caller.pid.remote()) > 0  # alive
