@@ -52,7 +52,10 @@ def init_ray(cfg: DapoConfig) -> None:
         cpus = max(os.cpu_count() or 1, cfg.trainer.n_gpus_per_node) + dataplane.ray_cpus(cfg.data_plane)
         os.environ.update(dataplane.process_env())  # local Ray's workers inherit the driver's environment
         # WARNING: Ray's own start-up INFO lines are not for the console.
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING)
+        # No task events: Ray's GCS kept up to 100k of them (~80 kB of memory a step here) for a
+        # dashboard a local Ray does not start. A cluster's own: RAY_task_events_report_interval_ms=0.
+        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
+                 _system_config={"task_events_report_interval_ms": 0})
 
 
 def wait_for_devices(pg, resource: str, count: int, timeout_s: float) -> None:
