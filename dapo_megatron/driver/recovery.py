@@ -61,19 +61,19 @@ class RoleWatch:
         now, dead = time.time(), []
         for actor in self.actors(job_id=self.job, actor_state_name="DEAD").values():
             context = actor["DeathCause"].actor_died_error_context
-            reason = context.Reason.Name(context.reason)
-            if (reason in UNEXPECTED and actor["ActorClassName"].rsplit(".", 1)[-1] not in self.skip
-                    and self.since <= actor["EndTime"] / 1000 < now - WATCH_GRACE_S):
-                dead.append((actor, reason))
+            reason, cls = context.Reason.Name(context.reason), actor["ActorClassName"].rsplit(".", 1)[-1]
+            died_at = actor["EndTime"] / 1000
+            if reason in UNEXPECTED and cls not in self.skip and self.since <= died_at < now - WATCH_GRACE_S:
+                dead.append((f"{ROLE_NAMES.get(cls, cls)} (pid {actor['Pid']})", reason, actor))
         if not dead:
             return
-        classes = [a["ActorClassName"].rsplit(".", 1)[-1] for a, _ in dead]
-        names = [f"{ROLE_NAMES.get(c, c)} (pid {a['Pid']})" for c, (a, _) in zip(classes, dead)]
-        nodes = sorted({a["Address"]["NodeID"][:8] for a, reason in dead if reason == "NODE_DIED"})
+        nodes = sorted({actor["Address"]["NodeID"][:8] for _, reason, actor in dead if reason == "NODE_DIED"})
         if nodes:
-            raise roles.RoleDied(f"the Ray node {', '.join(nodes)} died, and with it the {', '.join(names)}")
-        message = dead[0][0]["DeathCause"].actor_died_error_context.error_message
-        raise roles.died(names[0], message.split(". ")[0])  # Ray's next sentences guess at causes
+            raise roles.RoleDied(f"the Ray node {', '.join(nodes)} died, and with it the "
+                                 f"{', '.join(name for name, _, _ in dead)}")
+        name, _, actor = dead[0]
+        message = actor["DeathCause"].actor_died_error_context.error_message
+        raise roles.died(name, message.split(". ")[0])  # Ray's next sentences guess at causes
 
 
 def replace(run, death: Death) -> None:
@@ -88,7 +88,7 @@ def replace(run, death: Death) -> None:
     t0 = time.perf_counter()
     with run.timed("engine_recovery", [f"engine {i}"]):
         new = ctx.placement.start_engine(i, run.engine_restarts)
-        roles.as_role("rollout engine", lambda: ray.get(new.num_in_flight.remote()))  # started
+        roles.get("rollout engine", new.num_in_flight.remote())  # started (the watch: its node may be gone)
         # Colocated: the actor's parameters are on the host while engines generate; the export
         # gathers them on the device, as the step's own sync does.
         params = ["params"] if "params" in run.share.offload else []
