@@ -380,9 +380,25 @@ def _job_submit(overrides, env) -> subprocess.CompletedProcess:
                     "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
                     f"--dashboard-agent-listen-port={agent}"],
                    check=True, env=env, capture_output=True, timeout=180)
+    address = f"--address=http://127.0.0.1:{dash}"
     try:
-        return subprocess.run([ray_cli, "job", "submit", f"--address=http://127.0.0.1:{dash}", "--", *MAIN, *overrides],
-                              env=env, capture_output=True, text=True, timeout=600)
+        job = subprocess.run([ray_cli, "job", "submit", address, "--", *MAIN, *overrides],
+                             env=env, capture_output=True, text=True, timeout=600)
+        # The CLI follows the job's log over a websocket, which Ray once closed while the job still
+        # ran (code 1000, status RUNNING, a slow hour): then wait for the job's end and read its log.
+        running = re.search(r"Status for job '(\S+)': (RUNNING|PENDING)", job.stdout + job.stderr)
+        deadline = time.monotonic() + 600
+        while running and time.monotonic() < deadline:
+            time.sleep(5)
+            status = subprocess.run([ray_cli, "job", "status", address, running[1]], env=env, capture_output=True,
+                                    text=True, timeout=120)
+            if not re.search(r"RUNNING|PENDING", status.stdout + status.stderr):
+                logs = subprocess.run([ray_cli, "job", "logs", address, running[1]], env=env, capture_output=True,
+                                      text=True, timeout=120)
+                done = status.stdout + status.stderr
+                return subprocess.CompletedProcess(job.args, 0 if "succeeded" in done else 1,
+                                                   job.stdout + logs.stdout + done, job.stderr)
+        return job
     finally:
         subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
 
