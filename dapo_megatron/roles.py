@@ -59,8 +59,9 @@ def get(role: str, refs):
     """ray.get of a role's call(s). An exception the role raised (e.g. the manager's "the rollout
     engine died") is re-raised as the original, so the console's last line is the role's message."""
     def get_():
-        pending = refs if isinstance(refs, list) else [refs]
-        wait(pending, len(pending))
+        if _watch is not None:
+            pending = refs if isinstance(refs, list) else [refs]
+            wait(pending, len(pending))
         try:
             return ray.get(refs)
         except ray.exceptions.RayTaskError as exc:

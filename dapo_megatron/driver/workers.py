@@ -209,10 +209,12 @@ class TrainGroup:
     def _all(self, calls: list):
         """ray.get of one call per rank, naming a rank that died. Ray's get waits for the live
         ranks' calls first, and those may sit in a collective with the dead one until
-        trainer.dist_timeout_s; or they fail first, a moment before Ray reports the death."""
+        trainer.dist_timeout_s; or they fail first, a moment before Ray reports the death. The
+        driver's watch is asked while they run (ranks reading a lost node's data plane)."""
         pending = list(calls)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            done = roles.wait(pending, 1)[:1]
+            pending.remove(done[0])
             try:
                 ray.get(done)
             except ray.exceptions.RayActorError as exc:
