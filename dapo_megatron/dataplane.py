@@ -212,6 +212,9 @@ class StepBatch:
     # Per response, the key of its prompt's image row (pixel_values, image_grid_thw); "" for a
     # text prompt. Empty for a text-only step.
     image_keys: list[str] = field(default_factory=list)
+    # Per response, the policy versions of its oldest and newest token (the engine's record;
+    # they differ when a weight push reached it mid-generation).
+    versions: list[tuple[int, int]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.keys)

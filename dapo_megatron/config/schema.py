@@ -230,8 +230,12 @@ class TrainerConfig:
     device: str = "auto"  # auto | cuda | npu | cpu
     placement: str = "colocated"  # colocated | split
     # sync: generation and training take turns (the recipe). one_step_off: the batch of step k + 1
-    # is generated with the weights of step k - 1 while step k trains (split placement).
+    # is generated with the weights of step k - 1 while step k trains (split placement). async:
+    # the rollout manager generates up to max_staleness batches ahead; weights are pushed while it
+    # generates (partial_rollout) or once its batches in flight are done (partial_rollout=false).
     mode: str = "sync"
+    max_staleness: int = 1  # async: policy versions the oldest token of a trained response may lag
+    partial_rollout: bool = True  # async: a push reaches responses mid-generation (each token's version kept)
     total_training_steps: Optional[int] = None  # null: derived from total_epochs
     total_epochs: int = 1
     save_freq: int = -1  # -1: only at the end / on SIGTERM
@@ -256,6 +260,12 @@ class TrainerConfig:
     # the driver cannot see one (a CPU head node) or for another part; 0: ask the device.
     device_memory_gb: float = 0.0
     skip_memory_check: bool = False  # start anyway (a warning) when the plan says it does not fit
+
+    @property
+    def batches_ahead(self) -> int:
+        """Batches the rollout manager is asked for beyond the one being trained: the bound on a
+        trained token's policy lag (a batch asked at step s starts with the weights of step s - 1)."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
 
 
 @dataclass

@@ -26,7 +26,7 @@ KeyFn = Callable[[str], str]  # a degree's name ("tp") -> the key a user changes
 CHOICES: dict[str, tuple] = {
     "trainer.device": ("auto", "cuda", "npu", "cpu"),
     "trainer.placement": ("colocated", "split"),
-    "trainer.mode": ("sync", "one_step_off"),
+    "trainer.mode": ("sync", "one_step_off", "async"),
     "actor.loss_agg_mode": tuple(LOSS_AGG_MODES),
     "actor.policy_loss": tuple(POLICY_LOSSES),
     "actor.rollout_correction.is_level": (None, *IS_LEVELS),
@@ -266,11 +266,21 @@ def _check_layouts(cfg: DapoConfig) -> None:
 
 
 def _check_mode(cfg: DapoConfig) -> None:
-    """one_step_off generates while the actor trains: on devices of their own. Colocated, the
-    engines sleep and the actor's state is offloaded in turns (verl's colocate_async is not built)."""
+    """one_step_off and async generate while the actor trains: on devices of their own. Colocated,
+    the engines sleep and the actor's state is offloaded in turns (verl's colocate_async is not built)."""
     _require(cfg.trainer.mode == "sync" or cfg.trainer.placement == "split", "trainer.placement",
              f"trainer.mode={cfg.trainer.mode} generates while the actor trains: it needs trainer.placement=split "
              "(engines on rollout.num_devices devices of their own)")
+    t = cfg.trainer
+    _require(t.max_staleness >= 1, "trainer.max_staleness",
+             f"trainer.max_staleness={t.max_staleness} must be >= 1 (policy versions a trained token may lag)")
+    _require(t.mode == "async" or t.max_staleness == 1, "trainer.max_staleness",
+             f"trainer.max_staleness={t.max_staleness} bounds trainer.mode=async; trainer.mode={t.mode} lags "
+             f"{t.batches_ahead}: set trainer.mode=async or leave trainer.max_staleness at 1")
+    # async streams prompts to the engines; recipe rounds would wait for each round's tail
+    _require(t.mode != "async" or cfg.algorithm.filter_groups.mode == "early_stop", "algorithm.filter_groups.mode",
+             "trainer.mode=async streams prompts (early-stop dynamic sampling): set "
+             "algorithm.filter_groups.mode=early_stop")
 
 
 def _check_offload(cfg: DapoConfig) -> None:

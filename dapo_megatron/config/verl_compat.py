@@ -199,34 +199,52 @@ def _router_replay(value: str) -> list[str]:
     return [f"actor.router_replay={_ROUTER_REPLAY[mode]}"]
 
 
+_ASYNC = ["trainer.mode=async", "trainer.placement=split", "algorithm.filter_groups.mode=early_stop"]
+
+
 def _trainer_mode(value: str) -> list[str]:
-    # verl's V1 trainer modes; ours: sync, or one_step_off (one batch ahead, split placement).
+    # verl's V1 trainer modes: separate_async is ours async (engines on devices of their own,
+    # prompts streamed); colocate_async is not built.
     mode = _bare(value).lower()
+    if mode == "separate_async":
+        return list(_ASYNC)
     if mode != "sync":
         raise ValueError(f"trainer.v1.trainer_mode={_bare(value)} is not built: the overlap here is "
-                         "trainer.mode=one_step_off with trainer.placement=split (the next batch generates "
-                         "while this one trains, one weight push behind)")
+                         "trainer.mode=async (or one_step_off) with trainer.placement=split (the next batches "
+                         "generate while this one trains, trainer.max_staleness weight pushes behind at most)")
     return ["trainer.mode=sync"]
 
 
-# The policy lag here: 0 (trainer.mode=sync) or 1 (one_step_off; verl's trainer_mode maps to sync
-# only), so verl's V1 bound on it is met for any bound and its strategy for stale batches never acts.
 def _lag_bound(value: str) -> list[str]:
-    if _number(_bare(value)) is None or _number(_bare(value)) < 0:
-        raise ValueError(f"trainer.v1.sampler.max_off_policy_threshold={_bare(value)} is not a number of policy "
-                         "versions >= 0")
-    return []
+    # verl's V1 bound on a sample's policy lag is our trainer.max_staleness (read in trainer.mode=async;
+    # 0, on-policy, is trainer.mode=sync's lag)
+    lag = _number(_bare(value))
+    if lag is None or lag < 0 or lag != int(lag):
+        raise ValueError(f"trainer.v1.sampler.max_off_policy_threshold={_bare(value)} is not a whole number of "
+                         "policy versions >= 0")
+    return [f"trainer.max_staleness={int(lag)}"] if lag > 1 else []  # 1: ours by default
 
 
+# Here a batch is asked at most trainer.max_staleness steps ahead, so no response passes the bound:
+# verl's strategy for those that do (drop or wait) never acts.
 def _lag_strategy(value: str) -> list[str]:
     if _bare(value).lower() not in ("drop", "wait"):
         raise ValueError(f"trainer.v1.sampler.max_off_policy_strategy={_bare(value)} is not drop or wait")
     return []
 
 
-_FULLY_ASYNC = ("verl's fully asynchronous mode (rollouts more than one weight push behind, partial rollouts "
-                "across pushes) is not built; the overlap here is trainer.mode=one_step_off with "
-                "trainer.placement=split (the next batch generates while this one trains, one push behind)")
+def _sync_every(key: str) -> Callable[[str], list[str]]:
+    def rule(value: str) -> list[str]:
+        if _number(_bare(value)) != 1:
+            raise ValueError(f"{key}={_bare(value)}: weights are pushed after every update here (the staleness "
+                             "bound is trainer.max_staleness); set it to 1 or drop it")
+        return []
+    return rule
+
+
+_FULLY_ASYNC = ("this key of verl's fully asynchronous recipe has no counterpart; the asynchronous mode here is "
+                "trainer.mode=async with trainer.placement=split: trainer.max_staleness (policy versions a trained "
+                "token may lag), trainer.partial_rollout, rollout.num_devices (the engines' devices)")
 
 
 # verl key -> its value mapped to our overrides (a ValueError refuses the value).
@@ -259,6 +277,9 @@ VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     "trainer.use_v1": lambda v: [],  # which loop verl runs; ours is trainer.mode (v1.trainer_mode's)
     "trainer.v1.sampler.max_off_policy_threshold": _lag_bound,
     "trainer.v1.sampler.max_off_policy_strategy": _lag_strategy,
+    "trainer.v1.separate_async.parameter_sync_step": _sync_every("trainer.v1.separate_async.parameter_sync_step"),
+    "async_training.trigger_parameter_sync_step": _sync_every("async_training.trigger_parameter_sync_step"),
+    "async_training.partial_rollout": lambda v: [*_ASYNC, f"trainer.partial_rollout={str(_is_true(v)).lower()}"],
 }
 # Rules whose outcome must win over a key they override (Hydra keeps the last value).
 LATE = (_RO + "val_kwargs.do_sample", "data.filter_overlong_prompts")

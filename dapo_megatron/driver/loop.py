@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -59,8 +60,8 @@ class Run:
     syncs: int = 0
     stop_requested: bool = False
     timing: dict = field(default_factory=dict)
-    # trainer.mode=one_step_off: the batch the engines generate while this step trains
-    pending: Optional["Request"] = None
+    # one_step_off / async: the batches asked of the rollout manager beyond this step's, oldest first
+    pending: deque = field(default_factory=deque)
     checkpoint: Optional[str] = None  # the newest this run saved or resumed from (a restart's)
     deaths: object = None  # the manager's long poll for dead engines (driver/recovery.py)
     engine_restarts: int = 0
@@ -77,38 +78,49 @@ class Run:
 
 @dataclass(frozen=True)
 class Request:
-    """A batch asked of the rollout manager: its future, the step it is for, the weight syncs
-    done when it was asked (its responses' policy version)."""
+    """A batch asked of the rollout manager: its future and the step it is for."""
     ref: object
     step: int
-    version: int
 
 
 def _request(run: Run, step: int) -> Request:
-    return Request(run.ctx.manager.next_batch.remote(step), step, run.syncs)
+    return Request(run.ctx.manager.next_batch.remote(step), step)
 
 
 def take_batch(run: Run) -> tuple:
     """This step's batch and its rollout metrics. sync: generated now, with the last step's
-    weights. one_step_off: the one generated while the last step trained; the next one is asked
-    before this one trains, so the engines generate it with these weights in the meantime."""
-    one_step_off = run.cfg.trainer.mode == "one_step_off"
-    request = run.pending or _request(run, run.step + 1)
-    with run.timed("trainer_wait" if one_step_off else "gen"):
+    weights. one_step_off / async: asked trainer.batches_ahead steps ago, generated while earlier
+    steps trained; the batches of the next steps are asked before this one trains."""
+    ahead = run.cfg.trainer.batches_ahead
+    request = run.pending.popleft() if run.pending else _request(run, run.step + 1)
+    with run.timed("trainer_wait" if ahead else "gen"):
         step, metrics = wait_manager(run, request.ref)
-    run.pending = _request(run, run.step + 2) if one_step_off and run.step + 1 < run.ctx.total_steps else None
-    if step is not None:  # how many weight pushes behind the policy being trained its responses are
-        stale = float(run.syncs - request.version)
-        metrics.update({"rollout/staleness_mean": stale, "rollout/staleness_max": stale})
+    asked = run.pending[-1].step if run.pending else request.step
+    for s in range(asked + 1, min(run.step + 1 + ahead, run.ctx.total_steps) + 1):
+        run.pending.append(_request(run, s))
+    if step is not None:
+        metrics.update(staleness(step.versions, run.syncs, ahead))
     return step, metrics
 
 
+def staleness(versions: list[tuple[int, int]], syncs: int, bound: int) -> dict:
+    """Per response, the pushes its oldest token lags the weights it trains (the engine records
+    each token's policy version); a response sampled across a push is partial. A lag past
+    `bound` cannot happen by construction (a batch is asked `bound` steps ahead at most): it is
+    a bug in the version record, and training on it would break the staleness contract."""
+    lags = [syncs - oldest for oldest, _ in versions]
+    if max(lags) > bound or min(lags) < 0:
+        raise RuntimeError(f"a response's policy lag {max(lags)} (oldest version {min(v for v, _ in versions)}, "
+                           f"{syncs} weight pushes done) is outside [0, trainer.batches_ahead={bound}]")
+    return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags)),
+            "rollout/partial_frac": sum(a != b for a, b in versions) / len(versions)}
+
+
 def drop_pending(run: Run) -> None:
-    """A batch generated but never trained (the run ended or stopped): its rows go; its prompts
-    are back in the stream of any checkpoint saved since (`setup.trainer_state`)."""
-    if run.pending is not None:
-        step, _ = wait_manager(run, run.pending.ref)
-        run.pending = None
+    """Batches generated but never trained (the run ended or stopped): their rows go; their
+    prompts are back in the stream of any checkpoint saved since (`setup.trainer_state`)."""
+    while run.pending:
+        step, _ = wait_manager(run, run.pending.popleft().ref)
         if step is not None:
             roles.get("rollout manager", run.ctx.manager.release.remote(step.partition))
 
@@ -139,13 +151,14 @@ def train_step(run: Run) -> dict:
     finally:  # the step's rows, consumed (or failed); what the data plane still holds
         resident = roles.get("rollout manager", ctx.manager.release.remote(step.partition))
     run.share.before_sync(run)
-    if run.pending is not None:  # one_step_off: the batch in flight is the old weights' to finish
-        with run.timed("sync_wait"):
-            wait_manager(run, run.pending.ref, get=False)
+    if run.pending and not (cfg.trainer.mode == "async" and cfg.trainer.partial_rollout):
+        with run.timed("sync_wait"):  # the batches in flight finish on the old weights (drain)
+            for request in run.pending:
+                wait_manager(run, request.ref, get=False)
     with run.timed("sync"):
         run.syncs += 1
         metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync,
-                                          verify=setup.verify_due(cfg, run.syncs)))
+                                          verify=setup.verify_due(cfg, run.syncs), version=run.syncs))
     run.share.after_sync(run)
     metrics.update(rollout_metrics, **lp_metrics)
     metrics.update(_batch_metrics(step, metrics, resident))

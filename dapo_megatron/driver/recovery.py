@@ -95,7 +95,7 @@ def replace(run, death: Death) -> None:
         if params:
             roles.as_role("actor", ctx.train.onload, params)
         try:
-            setup.sync_weights(ctx.train, [new], cfg.rollout.sync, verify=True)
+            setup.sync_weights(ctx.train, [new], cfg.rollout.sync, verify=True, version=run.syncs)
         finally:
             if params:
                 roles.as_role("actor", ctx.train.offload, params)

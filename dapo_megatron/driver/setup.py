@@ -1,12 +1,12 @@
 """What the loop needs around a step: start-up, weight sync, validation, save / resume, faults."""
 from __future__ import annotations
 
-from functools import partial
-
 import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
+from functools import partial
+from typing import Optional
 
 import ray
 
@@ -182,18 +182,19 @@ def verify_due(cfg: DapoConfig, syncs: int) -> bool:
     return every > 0 and syncs % every == 0
 
 
-def sync_weights(train, engines: list, sync: SyncConfig, verify: bool) -> dict:
+def sync_weights(train, engines: list, sync: SyncConfig, verify: bool, version: Optional[int] = None) -> dict:
     """Actor -> engines: pause, load every bucket, post-process, reset prefix cache, resume.
 
     With `verify`, per-tensor checksums of what each engine holds must equal what was sent; a
     mismatch stops training with the tensors' names (silent sync corruption is the failure that
-    costs users the most). Returns {"sync/bytes": bytes the trainer sent per engine}.
+    costs users the most). `version`: the policy version the engines record on every token they
+    sample from now on (the driver's count of pushes). Returns {"sync/bytes": bytes sent per engine}.
     """
     as_role("rollout engine", lambda: ray.get([e.begin_weight_update.remote() for e in engines]))
     try:
         sent, nbytes = as_role("actor", train.push_weights, engines, sync.bucket_mb, verify, sync.transport)
     finally:
-        as_role("rollout engine", lambda: ray.get([e.finish_weight_update.remote() for e in engines]))
+        as_role("rollout engine", lambda: ray.get([e.finish_weight_update.remote(version) for e in engines]))
     if verify:
         for i, held in enumerate(as_role("rollout engine", lambda: ray.get([e.checksums.remote() for e in engines]))):
             bad = checksum_mismatches(sent, held)
@@ -210,7 +211,7 @@ def evaluate(run) -> dict:
 
 def trainer_state(run) -> dict:
     """Counters, and the manager's prompt position and sampler state: a resume continues the stream."""
-    before = run.pending.step if run.pending is not None else None  # an untrained batch's prompts go back
+    before = run.pending[0].step if run.pending else None  # untrained batches' prompts go back
     return {"step": run.step, "syncs": run.syncs,
             **roles.get("rollout manager", run.ctx.manager.state_dict.remote(before))}
 
@@ -236,8 +237,8 @@ def resume(run) -> None:
         raise CheckpointError(str(getattr(exc, "cause", None) or exc)) from None
     run.step, run.syncs, run.checkpoint = state["step"], state["syncs"], path
     roles.get("rollout manager", run.ctx.manager.load_state_dict.remote(state))
-    sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync,
-                 verify=run.cfg.rollout.sync.verify_every > 0)  # engines start from the HF weights
+    sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync,  # engines start from the HF weights
+                 verify=run.cfg.rollout.sync.verify_every > 0, version=run.syncs)
     moved = run.logger.rewind(run.step)
     later = f"; the metrics of {moved} later steps (their weights were not saved) moved to " \
             f"metrics.discarded.jsonl" if moved else ""

@@ -79,6 +79,9 @@ class Store:
     the data plane (metadata calls only: clearing dropped groups); None in tests without one."""
     partition: str
     plane: DataPlane | None = None
+    # Called between two polls of a collection: the manager's deferred data-plane work (the
+    # trainer's releases arrive while it collects; its data-plane client is this thread's).
+    between: Callable[[], None] = lambda: None
 
     def clear(self, keys: list[str] | None = None) -> None:
         """Drop `keys` (None: the whole partition) from the data plane."""
@@ -99,6 +102,7 @@ def collect_sync(engines: list, dataset: PromptDataset, prompts: PromptSampler, 
             if shard:
                 tokens.add(sampler, score(shard, results))
         sampler.start_round()
+        store.between()
     return _finish(sampler, tokens)
 
 
@@ -232,6 +236,7 @@ class _EarlyStop:
                 return
 
     def poll(self, timeout: float) -> list[tuple[PromptItem, StoredGroup]]:
+        self.tokens.store.between()
         done, asked = [], time.monotonic()
         busy = [e for e in self._alive() if self.load[e]]
         answers = self._answers({e: self.engines[e].poll.remote(timeout=timeout) for e in busy}, wait_s=timeout)
@@ -334,7 +339,7 @@ def groups_to_batch(groups: Sequence[Group[ScoredGroup]], partition: str) -> Ste
                      response_lengths=[p.rollout.response_lengths[j] for _, p, j in rows],
                      loss_tokens=[p.rollout.loss_tokens[j] for _, p, j in rows],
                      scores=[float(p.scores[j]) for _, p, j in rows], acc=[bool(p.acc[j]) for _, p, j in rows],
-                     fields=fields)
+                     fields=fields, versions=[p.rollout.versions(j) for _, p, j in rows])
 
 
 class RewardScorer:

@@ -194,6 +194,15 @@ class Engine:
     def num_in_flight(self) -> int:
         return self._call(lambda: len(self._requests.live))
 
+    def tokens_in_flight(self) -> int:
+        """Response tokens generated so far by the groups in flight."""
+        return self._call(lambda: sum(len(r) for live in self._requests.live.values() for r in live.group.responses))
+
+    @property
+    def version(self) -> int:
+        """The policy version of the weights held (`finish_weight_update`)."""
+        return self._requests.version
+
     # ---- pause / sleep -----------------------------------------------------------------------
     def pause(self) -> None:
         """Stop stepping after the current step; requests stay in flight until `resume`."""
@@ -245,8 +254,10 @@ class Engine:
         per sender, each on its own thread (the Ray actor's `max_concurrency`)."""
         return self._transport.receive(address, rank, size, self.load_weights)
 
-    def finish_weight_update(self) -> int:
-        """Post-process the model, reset the prefix cache, resume; returns the number of tensors."""
+    def finish_weight_update(self, version: Optional[int] = None) -> int:
+        """Post-process the model, reset the prefix cache, resume; returns the number of tensors.
+        `version`: the policy version of the new weights (None: the last one + 1); every token
+        sampled from now on records it (`RolloutGroup.version_spans`)."""
         def finish():
             if not self._updating:
                 raise RuntimeError("no weight update is open; call begin_weight_update first")
@@ -256,6 +267,7 @@ class Engine:
             self._llm.reset_prefix_cache(reset_running_requests=True)
             # Vision encoder outputs of the old weights too (scheduler's cache and the runner's).
             self._llm.reset_encoder_cache()
+            self._requests.new_version(self._requests.version + 1 if version is None else version)
             self._updating, self._paused = False, self._paused_before_update
             return n
         return self._call(finish)

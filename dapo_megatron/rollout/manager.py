@@ -5,8 +5,9 @@ process), dynamic sampling (both modes, rollout/collect.py), validation and the 
 start and stop, and hands the trainer a finished
 `StepBatch` (keys + metadata; the tokens are in the data plane) per `next_batch` call. In the
 synchronous loop the trainer asks for each batch after its weight push, so generation and training
-take turns as the DAPO recipe does; with trainer.mode=one_step_off it asks for the next batch
-before it trains on this one (a producer running ahead on its own is not built yet).
+take turns as the DAPO recipe does; with trainer.mode=one_step_off / async it asks for the next
+trainer.batches_ahead batches before it trains on this one: they queue here and are collected one
+after the other while the trainer trains (the driver's asking bounds how far ahead they run).
 Its state (prompt position, sampler counters) goes into every checkpoint through the driver.
 With rollout.max_engine_restarts it also keeps the engines' health (rollout/health.py): a dead
 engine's prompts are generated again and the driver brings its replacement.
@@ -60,9 +61,10 @@ def _kill_engine_during(step: int, engines: list) -> None:
     threading.Thread(target=kill, daemon=True).start()
 
 
-# Its own thread for the driver's long poll of dead engines and their replacement while a
-# collection runs; every other method stays one at a time.
-CONCURRENCY_GROUPS = {"health": 2}
+# Its own threads for the driver's long poll of dead engines and their replacement, and for the
+# trainer's releases and checkpoint state, while a collection runs; every other method stays one
+# at a time.
+CONCURRENCY_GROUPS = {"health": 2, "control": 1}
 
 
 class RolloutManager:
@@ -94,6 +96,13 @@ class RolloutManager:
         # step -> the state before its batch was collected: a checkpoint taken while that batch
         # waits untrained (trainer.mode=one_step_off) saves this one, so its prompts come back.
         self.before: dict[int, dict] = {}
+        self.state_lock = threading.Lock()  # `before` and the stream's state, read by `state_dict`
+        # The data-plane client is used by one thread at a time: the collecting one, or a release
+        # while nothing collects; releases that come during a collection wait in `released`.
+        self.plane_lock = threading.Lock()
+        self.released: list[str] = []
+        self.resident = 0  # bytes the data plane held at the last release
+        self.last_end: Optional[float] = None  # when the last collection ended (engine idle since)
 
     def _sampling(self, sampling: Sampling) -> Sampling:
         return dataclasses.replace(sampling, stop_token_ids=self.stop_token_ids)
@@ -102,11 +111,24 @@ class RolloutManager:
         """The batch of training step `step` (1-based) and its rollout metrics; (None, {}) when
         dynamic sampling kept no group (the reward metrics then carry over to the next batch).
         Its rows live in partition `step<step>-<n>`; the trainer clears it once it is consumed."""
+        with self.plane_lock:
+            self._release_deferred()
+            t0 = time.monotonic()
+            try:
+                batch, metrics = self._collect(step)
+            finally:
+                self.last_end, idle = time.monotonic(), t0 - (self.last_end or t0)
+            if metrics:  # engines idle: between collections (the trainer's work in sync mode)
+                metrics["timing/engine_idle_frac"] = idle / max(idle + self.last_end - t0, 1e-9)
+            return batch, metrics
+
+    def _collect(self, step: int) -> tuple[Optional[StepBatch], dict]:
         cfg = self.cfg
-        self.before = {s: v for s, v in self.before.items() if s >= step - 1}
-        self.before[step] = copy.deepcopy(self.state_dict())
+        with self.state_lock:
+            self.before = {s: v for s, v in self.before.items() if s >= step - 1 - cfg.trainer.batches_ahead}
+            self.before[step] = copy.deepcopy(self._state())
         self.collections += 1
-        store = Store(f"step{step}-{self.collections}", self.plane)
+        store = Store(f"step{step}-{self.collections}", self.plane, between=self._release_deferred)
         sampling = self._sampling(Sampling.from_config(cfg.rollout, cfg.data.max_response_length,
                                                        seed=cfg.rollout.seed + step - 1))
         args = (self.engines, self.train_data, self.prompts, self.sampler, self.scorer, sampling,
@@ -136,6 +158,10 @@ class RolloutManager:
         val_kwargs.n > 1 also mean@n, pass@k and maj@k (reward/metrics.validation_metrics)."""
         if self.val_data is None:
             return {}
+        with self.plane_lock:
+            return self._evaluate(step)
+
+    def _evaluate(self, step: int) -> dict:
         cfg, t0 = self.cfg, time.perf_counter()
         items = list(self.val_data.items)
         sampling = self._sampling(Sampling.validation(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed))
@@ -172,28 +198,48 @@ class RolloutManager:
         """A started replacement, holding the current weights, takes the dead engine's place."""
         self.health.replace(engine, handle)
 
+    @ray.method(concurrency_group="control")
     def state_dict(self, before: Optional[int] = None) -> dict:
         """What a checkpoint needs to resume the stream exactly (the keys older checkpoints have);
-        `before`: as it was before the batch of that step was collected (a batch not yet trained)."""
-        if before is not None:
-            return self.before[before]
+        `before`: as it was before the batch of that step was collected (a batch not yet trained;
+        one whose collection has not started yet: as it is now, no collection running)."""
+        with self.state_lock:
+            return self.before[before] if before in self.before else copy.deepcopy(self._state())
+
+    def _state(self) -> dict:
         return {"prompts": self.prompts.state_dict(), "dynamic_sampling": self.sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.prompts.load_state_dict(state["prompts"])
         self.sampler.load_state_dict(state["dynamic_sampling"])
 
+    @ray.method(concurrency_group="control")
     def release(self, partition: str) -> int:
-        """Drop a consumed (or failed) batch's rows; returns what the data plane still holds (bytes)."""
-        Store(partition, self.plane).clear()
-        return self.plane.resident_bytes()
+        """Drop a consumed (or failed) batch's rows; returns what the data plane still holds (bytes).
+        While a collection runs the rows go between two of its polls, and the bytes are those of
+        the last release done."""
+        self.released.append(partition)
+        if self.plane_lock.acquire(blocking=False):
+            try:
+                self._release_deferred()
+            finally:
+                self.plane_lock.release()
+        return self.resident
+
+    def _release_deferred(self) -> None:
+        if self.released:
+            while self.released:
+                Store(self.released.pop(0), self.plane).clear()
+            self.resident = self.plane.resident_bytes()
 
     def shutdown(self) -> None:
         """The reward worker's pool, every engine and the data plane it started, before Ray goes."""
         self.reward.close()
         ray.get([e.shutdown.remote() for e in self.engines])
-        if self.owns_plane:
-            dataplane.stop()
+        with self.plane_lock:
+            self._release_deferred()
+            if self.owns_plane:
+                dataplane.stop()
 
 
 def manager_actor():

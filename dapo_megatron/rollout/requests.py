@@ -64,19 +64,35 @@ class Requests:
         self.features: dict[str, Feature] = dict(features or {})
         self.live: dict[str, _Live] = {}  # group request_id -> bookkeeping
         self.child_to_group: dict[str, tuple[str, int]] = {}  # vLLM request id -> (group id, i)
+        self.version = 0  # the policy version of the weights the engine holds (`new_version`)
 
     def add(self, request_id: str, prompt: Prompt, sampling: Sampling, index: int, sink: queue.Queue) -> None:
         """Fan a prompt out to n child requests `<request_id>#<i>`."""
         if request_id in self.live:
             raise ValueError(f"request {request_id!r} is already in flight")
         ids, n = list(prompt.ids), sampling.n
-        group = RolloutGroup(request_id, index, ids, [[] for _ in range(n)], [[] for _ in range(n)], [""] * n)
+        group = RolloutGroup(request_id, index, ids, [[] for _ in range(n)], [[] for _ in range(n)], [""] * n,
+                             version_spans=[[(self.version, 0)] for _ in range(n)])
         live = _Live(group, sink, [f"{request_id}#{i}" for i in range(n)], sampling)
         for f in self.features.values():
             f.on_add(live, prompt)
         self.live[request_id] = live
         for i, child in enumerate(live.children):
             self.submit_child(live, i, child, ids)
+
+    def new_version(self, version: int) -> None:
+        """The weights changed between two engine steps: the tokens each unfinished response gets
+        from now on are sampled by policy `version` (a partial rollout across a weight push)."""
+        self.version = version
+        for live in self.live.values():
+            for i, spans in enumerate(live.group.version_spans):
+                if i in live.done:
+                    continue
+                start = len(live.group.responses[i])
+                if spans[-1][1] == start:  # no token sampled under the previous version
+                    spans.pop()
+                if not spans or spans[-1][0] != version:
+                    spans.append((version, start))
 
     def submit_child(self, live: _Live, i: int, request_id: str, ids: list[int],
                      max_tokens: Optional[int] = None) -> None:

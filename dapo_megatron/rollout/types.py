@@ -58,6 +58,9 @@ class RolloutGroup:
     loss_masks: list[list[int]] = field(default_factory=list)
     turns: list[int] = field(default_factory=list)
     tool_stats: dict = field(default_factory=dict)
+    # [n] per response, (policy version, index of its first token) of each run of tokens one version
+    # of the weights sampled; more than one when a weight push came while it was generated.
+    version_spans: list = field(default_factory=list)
     # Vision-language prompts only, else empty: [N_images][t, h, w] patch grids of the prompt's
     # images, in order; image i fills t * h * w / merge^2 of the `prompt`'s image tokens.
     image_grid_thw: list = field(default_factory=list)
@@ -114,7 +117,8 @@ class RolloutGroup:
         masks = self.loss_masks or [[1] * len(r) for r in self.responses]
         return StoredGroup(self.request_id, self.index, partition, keys, len(self.prompt),
                            [len(r) for r in self.responses], [int(sum(m)) for m in masks],
-                           list(self.finish_reasons), list(self.turns), dict(self.tool_stats), fields, image_key)
+                           list(self.finish_reasons), list(self.turns), dict(self.tool_stats), fields, image_key,
+                           [list(s) for s in self.version_spans])
 
 
 # Engine fields whose value is not the group's column of the same name: the prompt (one per group,
@@ -142,6 +146,12 @@ class StoredGroup:
     tool_stats: dict = field(default_factory=dict)
     fields: tuple[str, ...] = ()  # the columns stored per response
     image_key: str = ""  # the key of the prompt's image row (one for all n responses); "": none
+    version_spans: list = field(default_factory=list)  # [n] RolloutGroup.version_spans
+
+    def versions(self, j: int) -> tuple[int, int]:
+        """Response j's oldest and newest policy version (0, 0 where the engine recorded none)."""
+        spans = self.version_spans[j] if self.version_spans else [(0, 0)]
+        return spans[0][0], spans[-1][0]
 
     @property
     def data_keys(self) -> list[str]:

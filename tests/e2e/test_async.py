@@ -1,13 +1,18 @@
-"""trainer.mode=one_step_off end to end: `quickstart_async` (split placement, one training rank
-and one engine) on the tiny task, three steps in this process, a checkpoint after each.
+"""The overlapping modes end to end on `quickstart_async`'s layout (split placement, one training
+rank and one engine) and the tiny task.
 
-The engines generate step k + 1's batch with the weights of step k - 1 while step k trains; a
-checkpoint saved while that batch waits untrained gives its prompts back to the stream.
+one_step_off: three steps in this process, a checkpoint after each. The engines generate step
+k + 1's batch with the weights of step k - 1 while step k trains; a checkpoint saved while that
+batch waits untrained gives its prompts back to the stream.
+async (the config as shipped: two batches ahead, partial rollouts, early-stop sampling): killed -9
+in step 3's update (the engine generating the next batches meanwhile), then resumed to step 4.
 """
 from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -33,7 +38,8 @@ def one_step_off(tiny_assets, tmp_path_factory):
         "actor.ppo_mini_batch_size": BATCH, "data.max_response_length": 12, "algorithm.filter_groups.enable": "false",
         "trainer.total_training_steps": 3, "trainer.save_freq": 1, "trainer.max_checkpoints_to_keep": 3,
         "trainer.test_freq": 2, "trainer.val_before_train": "false", "trainer.default_local_dir": str(out),
-        "trainer.logger": "[jsonl]", "reward.custom_fn": f"{HERE}/parity_reward.py:compute_score"}
+        "trainer.logger": "[jsonl]", "reward.custom_fn": f"{HERE}/parity_reward.py:compute_score",
+        "trainer.mode": "one_step_off", "trainer.max_staleness": 1, "algorithm.filter_groups.mode": "sync"}
     cfg = load_config("quickstart_async", [f"{k}={v}" for k, v in overrides.items()])
     try:
         assert run(cfg) == 0
@@ -67,4 +73,56 @@ def test_a_checkpoint_gives_the_untrained_batchs_prompts_back(one_step_off):
     prompts once."""
     out, rows = one_step_off
     assert [_saved_position(out, s) for s in (1, 2, 3)] == [BATCH, 2 * BATCH, 3 * BATCH]
+    assert rows[-1]["data_plane/resident_mb"] == 0
+
+
+ASYNC_STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def async_killed_then_resumed(tiny_assets, tmp_path_factory):
+    """Two processes as a user runs them: killed -9 in step 3's update, then the same command."""
+    from dapo_megatron.driver.loop import KILL_AT
+    out = tmp_path_factory.mktemp("async") / "run"
+    overrides = {
+        "model.path": str(tiny_assets / "qwen3_moe"),
+        "data.train_files": f"[{tiny_assets / 'data' / 'train.parquet'}]",
+        "data.train_batch_size": BATCH, "data.gen_batch_size": 6, "rollout.n": 4, "actor.ppo_mini_batch_size": BATCH,
+        "data.max_response_length": 12, "trainer.total_training_steps": ASYNC_STEPS, "trainer.save_freq": 1,
+        "trainer.val_before_train": "false", "trainer.default_local_dir": str(out), "trainer.logger": "[jsonl]",
+        "reward.custom_fn": f"{HERE}/parity_reward.py:compute_score",
+        "actor.ppo_epochs": 2}  # a slowed trainer: the manager runs ahead to the bound
+    cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart_async",
+           *[f"{k}={v}" for k, v in overrides.items()]]
+    env = {k: v for k, v in os.environ.items() if k != KILL_AT}
+    env["RAY_ADDRESS"] = ""  # a local Ray of each run's own
+    killed = subprocess.run(cmd, env={**env, KILL_AT: "update:3"}, capture_output=True, text=True, timeout=600)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    rows_killed = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+    resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    return out, rows_killed, resumed.stdout, [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+def test_async_trains_no_token_older_than_max_staleness(async_killed_then_resumed):
+    """The driver checks every response's recorded versions (it stops on a lag past the bound);
+    here the bound is reached: the tiny engine generates faster than the rank trains two epochs,
+    so the manager runs max_staleness batches ahead. Each run's first batch is the start weights'."""
+    _, _, _, rows = async_killed_then_resumed
+    lags = [r["rollout/staleness_max"] for r in rows]
+    assert max(lags) == 2.0 and lags[0] == lags[2] == 0.0, lags  # trainer.max_staleness=2 in quickstart_async
+    assert all(0.0 <= r["rollout/partial_frac"] <= 1.0 and 0.0 <= r["timing/engine_idle_frac"] <= 1.0 for r in rows)
+    assert all("timing/trainer_wait" in r and "timing/sync_wait" not in r for r in rows)  # pushes do not drain
+
+
+def test_async_killed_mid_update_resumes_with_every_prompt_trained_once(async_killed_then_resumed):
+    out, rows_killed, stdout, rows = async_killed_then_resumed
+    assert rows_killed == [1, 2] and [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in stdout, stdout[-3000:]
+    # Each step took exactly the prompts it scored from the stream (aborted ones went back), across
+    # the kill too: the batches generated ahead and never trained gave theirs back.
+    for before, row in zip(rows, rows[1:]):
+        assert row["data/prompts_consumed"] - before["data/prompts_consumed"] == row["sampling/generated_groups"]
+    assert rows[0]["data/prompts_consumed"] == rows[0]["sampling/generated_groups"]
+    assert [_saved_position(out, s) for s in (4, 5)] == [rows[3]["data/prompts_consumed"], rows[4]["data/prompts_consumed"]]
     assert rows[-1]["data_plane/resident_mb"] == 0

@@ -180,6 +180,33 @@ def test_pause_resume_around_a_push(setup):
     _push(engine, sds["A"])
 
 
+def test_a_push_mid_generation_gives_the_response_two_versions(setup):
+    """A partial rollout (trainer.mode=async): the tokens before the push were sampled by A, those
+    after by B over the whole context (the running request's KV is recomputed); the engine's
+    record says which, and each span's log-probs are its own version's."""
+    from dapo_megatron.rollout.types import Sampling
+    from dapo_megatron.tools.check_sync import hf_logprobs
+    engine, sds, models = setup["engine"], setup["state_dicts"], setup["models"]
+    engine.update_weights(_buckets(sds["A"]))
+    v0, long = engine.version, Sampling(temperature=1.0, max_tokens=300, seed=5, ignore_eos=True)
+    engine.submit("span-0", RECORDS[3], long, index=0)
+    deadline = time.monotonic() + 30
+    while engine.tokens_in_flight() < 20 and time.monotonic() < deadline:
+        time.sleep(0.002)
+    engine.update_weights(_buckets(sds["B"]))  # between two engine steps, the request in flight
+    [group] = _poll_all(engine, 1)
+    (va, start_a), (vb, k) = group.version_spans[0]
+    response = group.responses[0]
+    assert (va, start_a, vb) == (v0, 0, v0 + 1) and 20 <= k < len(response) == 300, group.version_spans
+    got = torch.tensor(group.rollout_logprobs[0])
+    for weights, span in (("A", slice(0, k)), ("B", slice(k, None))):
+        expected = hf_logprobs(models[weights], group.prompt, response)
+        torch.testing.assert_close(got[span], expected[span], atol=2e-4, rtol=0, msg=f"span of {weights}")
+    # the other version's log-probs differ on each span: the check can fail
+    assert (got[k:] - hf_logprobs(models["A"], group.prompt, response)[k:]).abs().max() > 1e-2
+    _push(engine, sds["A"])
+
+
 def _poll_all(engine, count, timeout=60.0):
     groups, deadline = [], time.monotonic() + timeout
     while len(groups) < count and time.monotonic() < deadline:

@@ -173,7 +173,10 @@ RULES = [
     (["actor.policy_loss=gspo"], "actor.loss_agg_mode"),  # a sequence-level objective, refused with token-mean
     (["actor.policy_loss=ppo2"], "actor.policy_loss"),
     (["actor.old_logprobs=skip"], "actor.old_logprobs"),
-    (["trainer.mode=async"], "trainer.mode"),
+    (["trainer.mode=fully_async"], "trainer.mode"),
+    (["trainer.mode=async"], "trainer.placement"),
+    (["trainer.max_staleness=0"], "trainer.max_staleness"),
+    (["trainer.max_staleness=2"], "trainer.max_staleness"),  # bounds trainer.mode=async only
     (["trainer.mode=one_step_off"], "trainer.placement"),
     (["actor.rollout_correction.rs=seq_mean_k3"], "actor.rollout_correction.rs_threshold"),
     (["actor.rollout_correction.rs=seq_max_k1", "actor.rollout_correction.rs_threshold=2"], "actor.rollout_correction.rs"),

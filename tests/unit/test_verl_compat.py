@@ -23,6 +23,10 @@ def _get(cfg, dotted):
     return cfg
 
 
+# The quickstart on split placement (quickstart_async's layout): what verl's separate async modes need.
+SPLIT = ["rollout.num_devices=1", "actor.parallel.ep=1", "ref.parallel.ep=1", "actor.offload.params=false",
+         "actor.offload.grads=false", "actor.offload.optimizer=false"]
+
 # (verl overrides, our key, expected value): the value keeps its meaning.
 TRANSLATED = [
     (["custom_reward_function.overlong_buffer.enable=True", "custom_reward_function.overlong_buffer.len=4",
@@ -100,8 +104,12 @@ TRANSLATED = [
     (["++transfer_queue.enable=True"], "data_plane.backend", "transfer_queue"),
     (["actor_rollout_ref.rollout.ignore_eos=True"], "rollout.ignore_eos", True),
     (["+trainer.use_v1=True", "+trainer.v1.trainer_mode=sync"], "trainer.mode", "sync"),
-    (["+trainer.v1.sampler.max_off_policy_threshold=2", "+trainer.v1.sampler.max_off_policy_strategy=drop"],
+    (["+trainer.v1.sampler.max_off_policy_threshold=1", "+trainer.v1.sampler.max_off_policy_strategy=drop"],
      "trainer.mode", "sync"),
+    (["+trainer.v1.trainer_mode=separate_async", "+trainer.v1.sampler.max_off_policy_threshold=2",
+      "+trainer.v1.separate_async.parameter_sync_step=1", *SPLIT], "trainer.max_staleness", 2),
+    (["+trainer.v1.trainer_mode=separate_async", *SPLIT], "algorithm.filter_groups.mode", "early_stop"),
+    (["+async_training.partial_rollout=False", *SPLIT], "trainer.partial_rollout", False),
 ]
 
 
@@ -206,16 +214,16 @@ REFUSED = [
     (["actor_rollout_ref.actor.megatron.router_replay.mode=R4"], "actor.router_replay"),
     (["actor_rollout_ref.rollout.multi_turn.tool_config_path=tools.yaml"], "rollout.tools"),
     (["++transfer_queue.enable=False"], "data plane"),
-    (["+trainer.v1.trainer_mode=separate_async"], "trainer.mode=one_step_off"),
     (["+trainer.v1.trainer_mode=colocate_async"], "trainer.placement=split"),
     (["+trainer.v1.sampler.max_off_policy_threshold=-1"], "policy versions >= 0"),
+    (["+trainer.v1.sampler.max_off_policy_threshold=1.5"], "whole number"),
     (["+trainer.v1.sampler.max_off_policy_strategy=keep"], "drop or wait"),
-    (["+trainer.v1.separate_async.parameter_sync_step=2"], "trainer.mode=one_step_off"),
-    (["+async_training.staleness_threshold=0.5"], "fully asynchronous mode"),
-    (["+async_training.partial_rollout=True"], "trainer.placement=split"),
-    (["+rollout.nnodes=1"], "trainer.mode=one_step_off"),
-    (["+rollout.total_rollout_steps=1000"], "trainer.mode=one_step_off"),
-    (["algorithm.filter_groups.max_inflight_gen_batches=2"], "trainer.mode=one_step_off"),
+    (["+trainer.v1.separate_async.parameter_sync_step=2"], "pushed after every update"),
+    (["+async_training.trigger_parameter_sync_step=4"], "pushed after every update"),
+    (["+async_training.staleness_threshold=0.5"], "trainer.max_staleness"),
+    (["+rollout.nnodes=1"], "rollout.num_devices"),
+    (["+rollout.total_rollout_steps=1000"], "trainer.mode=async"),
+    (["algorithm.filter_groups.max_inflight_gen_batches=2"], "trainer.max_staleness"),
 ]
 
 
