@@ -118,7 +118,15 @@ class RolloutGroup:
         return StoredGroup(self.request_id, self.index, partition, keys, len(self.prompt),
                            [len(r) for r in self.responses], [int(sum(m)) for m in masks],
                            list(self.finish_reasons), list(self.turns), dict(self.tool_stats), fields, image_key,
-                           [list(s) for s in self.version_spans])
+                           *self._versions())
+
+    def _versions(self) -> tuple[int, list]:
+        """(the version every response was sampled by, []) when one was, else (0, the spans): what
+        the manager receives per group stays one int unless a push split a response."""
+        spans = {tuple(s) for s in self.version_spans}
+        if len(spans) == 1 and len(next(iter(spans))) == 1:
+            return next(iter(spans))[0][0], []
+        return 0, [list(s) for s in self.version_spans]
 
 
 # Engine fields whose value is not the group's column of the same name: the prompt (one per group,
@@ -146,11 +154,14 @@ class StoredGroup:
     tool_stats: dict = field(default_factory=dict)
     fields: tuple[str, ...] = ()  # the columns stored per response
     image_key: str = ""  # the key of the prompt's image row (one for all n responses); "": none
-    version_spans: list = field(default_factory=list)  # [n] RolloutGroup.version_spans
+    version: int = 0  # the policy version that sampled every response (when `version_spans` is empty)
+    version_spans: list = field(default_factory=list)  # [n] RolloutGroup.version_spans, when they differ
 
     def versions(self, j: int) -> tuple[int, int]:
-        """Response j's oldest and newest policy version (0, 0 where the engine recorded none)."""
-        spans = self.version_spans[j] if self.version_spans else [(0, 0)]
+        """Response j's oldest and newest policy version."""
+        if not self.version_spans:
+            return self.version, self.version
+        spans = self.version_spans[j]
         return spans[0][0], spans[-1][0]
 
     @property

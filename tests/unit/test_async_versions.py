@@ -35,6 +35,9 @@ def test_a_push_splits_the_unfinished_responses_only():
     assert done.version_spans == [[(3, 0), (5, 2)], [(3, 0)], [(3, 0), (5, 1)]]
     stored = done.stored("p", ["k0", "k1", "k2"])
     assert [stored.versions(j) for j in range(3)] == [(3, 5), (3, 3), (3, 5)]
+    done.version_spans = [[(3, 0)]] * 3  # one version for the whole group: the manager gets one int
+    stored = done.stored("p", ["k0", "k1", "k2"])
+    assert (stored.version, stored.version_spans, stored.versions(2)) == (3, [], (3, 3))
 
 
 def test_a_push_before_the_first_token_leaves_one_version():
