@@ -21,7 +21,6 @@ import collections
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,7 +28,7 @@ import time
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from process_memory import TreeSampler  # noqa: E402  (bench scripts sit side by side, not in a package)
+from process_memory import TreeSampler, run_sampled  # noqa: E402  (bench scripts sit side by side, not in a package)
 
 CONFIG = "quickstart_async"
 MODES = {  # name -> overrides of quickstart_async (shipped: async, max_staleness 2, partial rollouts)
@@ -74,18 +73,9 @@ class CpuSampler(TreeSampler):
 
 
 def run_mode(overrides: list[str], out: str, steps: int, seed: int) -> dict:
-    cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", CONFIG,
-           f"trainer.total_training_steps={steps}", "trainer.save_freq=0", "trainer.test_freq=0",
-           "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}",
-           "trainer.resume_mode=disable", f"data.seed={seed}", f"rollout.seed={seed}", *overrides]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    sampler = CpuSampler(proc.pid)
-    sampler.start()
-    _, err = proc.communicate(timeout=3600)
-    sampler.stop.set()
-    sampler.join()
-    if proc.returncode:
-        raise SystemExit(f"{' '.join(overrides)} failed:\n{err[-3000:]}")
+    # dynamic sampling as shipped (process_memory's runner turns it off)
+    sampler = run_sampled(CONFIG, steps, ["algorithm.filter_groups.enable=true", f"data.seed={seed}",
+                                          f"rollout.seed={seed}", *overrides], out, CpuSampler)
     rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     phases = [json.loads(line) for line in open(os.path.join(out, "phases.jsonl"))]
     start = min(p["end"] - p["s"] for p in phases if p["step"] == WARMUP + 1)

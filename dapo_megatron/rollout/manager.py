@@ -94,7 +94,7 @@ class RolloutManager:
         self.health = (EngineHealth(self.engines, rollout.max_engine_restarts, rollout.engine_timeout_s)
                        if rollout.max_engine_restarts or rollout.engine_timeout_s else None)
         # step -> the state before its batch was collected: a checkpoint taken while that batch
-        # waits untrained (trainer.mode=one_step_off) saves this one, so its prompts come back.
+        # waits untrained (trainer.mode=one_step_off / async) saves this one, so its prompts come back.
         self.before: dict[int, dict] = {}
         self.state_lock = threading.Lock()  # `before` and the stream's state, read by `state_dict`
         # The data-plane client is used by one thread at a time: the collecting one, or a release

@@ -23,6 +23,17 @@ HERE = os.path.dirname(__file__)
 BATCH = 4  # prompts a step, every one kept (dynamic sampling off): the stream moves by 4 a step
 
 
+def _overrides(tiny_assets, out, steps: int, **extra) -> list[str]:
+    """The tiny task on quickstart_async's layout, `steps` steps, a checkpoint after each."""
+    overrides = {
+        "model.path": str(tiny_assets / "qwen3_moe"), "data.train_files": f"[{tiny_assets / 'data' / 'train.parquet'}]",
+        "data.train_batch_size": BATCH, "rollout.n": 4, "actor.ppo_mini_batch_size": BATCH,
+        "data.max_response_length": 12, "trainer.total_training_steps": steps, "trainer.save_freq": 1,
+        "trainer.val_before_train": "false", "trainer.default_local_dir": str(out), "trainer.logger": "[jsonl]",
+        "reward.custom_fn": f"{HERE}/parity_reward.py:compute_score", **extra}
+    return [f"{k}={v}" for k, v in overrides.items()]
+
+
 @pytest.fixture(scope="module")
 def one_step_off(tiny_assets, tmp_path_factory):
     import ray
@@ -30,17 +41,11 @@ def one_step_off(tiny_assets, tmp_path_factory):
     from dapo_megatron.config import load_config
     from dapo_megatron.driver.loop import run
     out = tmp_path_factory.mktemp("one_step_off") / "run"
-    overrides = {
-        "model.path": str(tiny_assets / "qwen3_moe"),
-        "data.train_files": f"[{tiny_assets / 'data' / 'train.parquet'}]",
-        "data.val_files": f"[{tiny_assets / 'data' / 'val.parquet'}]",
-        "data.train_batch_size": BATCH, "data.gen_batch_size": BATCH, "rollout.n": 4,
-        "actor.ppo_mini_batch_size": BATCH, "data.max_response_length": 12, "algorithm.filter_groups.enable": "false",
-        "trainer.total_training_steps": 3, "trainer.save_freq": 1, "trainer.max_checkpoints_to_keep": 3,
-        "trainer.test_freq": 2, "trainer.val_before_train": "false", "trainer.default_local_dir": str(out),
-        "trainer.logger": "[jsonl]", "reward.custom_fn": f"{HERE}/parity_reward.py:compute_score",
-        "trainer.mode": "one_step_off", "trainer.max_staleness": 1, "algorithm.filter_groups.mode": "sync"}
-    cfg = load_config("quickstart_async", [f"{k}={v}" for k, v in overrides.items()])
+    overrides = _overrides(tiny_assets, out, 3, **{
+        "data.val_files": f"[{tiny_assets / 'data' / 'val.parquet'}]", "data.gen_batch_size": BATCH,
+        "algorithm.filter_groups.enable": "false", "trainer.max_checkpoints_to_keep": 3, "trainer.test_freq": 2,
+        "trainer.mode": "one_step_off", "trainer.max_staleness": 1, "algorithm.filter_groups.mode": "sync"})
+    cfg = load_config("quickstart_async", overrides)
     try:
         assert run(cfg) == 0
     finally:
@@ -84,16 +89,9 @@ def async_killed_then_resumed(tiny_assets, tmp_path_factory):
     """Two processes as a user runs them: killed -9 in step 3's update, then the same command."""
     from dapo_megatron.driver.loop import KILL_AT
     out = tmp_path_factory.mktemp("async") / "run"
-    overrides = {
-        "model.path": str(tiny_assets / "qwen3_moe"),
-        "data.train_files": f"[{tiny_assets / 'data' / 'train.parquet'}]",
-        "data.train_batch_size": BATCH, "data.gen_batch_size": 6, "rollout.n": 4, "actor.ppo_mini_batch_size": BATCH,
-        "data.max_response_length": 12, "trainer.total_training_steps": ASYNC_STEPS, "trainer.save_freq": 1,
-        "trainer.val_before_train": "false", "trainer.default_local_dir": str(out), "trainer.logger": "[jsonl]",
-        "reward.custom_fn": f"{HERE}/parity_reward.py:compute_score",
-        "actor.ppo_epochs": 2}  # a slowed trainer: the manager runs ahead to the bound
-    cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart_async",
-           *[f"{k}={v}" for k, v in overrides.items()]]
+    # actor.ppo_epochs=2: a slowed trainer, so the manager runs ahead to the bound
+    overrides = _overrides(tiny_assets, out, ASYNC_STEPS, **{"data.gen_batch_size": 6, "actor.ppo_epochs": 2})
+    cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart_async", *overrides]
     env = {k: v for k, v in os.environ.items() if k != KILL_AT}
     env["RAY_ADDRESS"] = ""  # a local Ray of each run's own
     killed = subprocess.run(cmd, env={**env, KILL_AT: "update:3"}, capture_output=True, text=True, timeout=600)
