@@ -113,14 +113,16 @@ class DynamicSampler:
         """True when the batch is full or the round budget is spent: stop generating, call take()."""
         return self.is_full or self.exhausted
 
-    def groups_to_fill(self) -> float:
-        """How many more groups must finish to fill the batch, at the keep rate seen so far over
-        all steps (1 before any group; inf while nothing was ever kept). Early-stop collection keeps
-        no more than this in flight, so fewer responses are aborted once the batch is full."""
+    def groups_to_fill(self, batches_after: int = 0) -> float:
+        """How many more groups must finish to fill the batch (and `batches_after` more batches),
+        at the keep rate seen so far over all steps (1 before any group; inf while nothing was ever
+        kept). Early-stop collection keeps no more than this in flight, so fewer responses are
+        aborted once the batch is full."""
         missing = max(self.train_batch_size - len(self.buffer), 0)
         generated, kept = self.totals["generated_groups"], self.totals["kept_groups"]
         if not missing:
             return 0
+        missing += batches_after * self.train_batch_size
         if generated and not kept:
             return math.inf
         return math.ceil(missing * generated / kept) if generated else missing

@@ -225,10 +225,13 @@ def _lag_bound(value: str) -> list[str]:
     return [f"trainer.max_staleness={int(lag)}"] if lag > 1 else []  # 1: ours by default
 
 
-# Here a batch is asked at most trainer.max_staleness steps ahead, so no response passes the bound:
-# verl's strategy for those that do (drop or wait) never acts.
+# A group carried across batches (async partial rollouts) past trainer.max_staleness is dropped when
+# it finishes, its prompt back in the stream: verl's `drop`. Holding the batch for it (`wait`) is not built.
 def _lag_strategy(value: str) -> list[str]:
-    if _bare(value).lower() not in ("drop", "wait"):
+    if _bare(value).lower() == "wait":
+        raise ValueError("trainer.v1.sampler.max_off_policy_strategy=wait is not built: a group older than "
+                         "trainer.max_staleness is dropped here (drop); set drop or raise trainer.max_staleness")
+    if _bare(value).lower() != "drop":
         raise ValueError(f"trainer.v1.sampler.max_off_policy_strategy={_bare(value)} is not drop or wait")
     return []
 

@@ -46,6 +46,11 @@ class EngineActor(Engine):
     def poll(self, timeout: float = 0.0, max_groups: Optional[int] = None) -> list:
         return self._store.put(super().poll(timeout, max_groups))
 
+    def carry(self, request_ids: list[str], partition: str) -> None:
+        """Groups in flight go to another partition when they finish (the rollout manager's next
+        collection takes them over: trainer.partial_rollout in async mode)."""
+        self._store.carry(request_ids, partition)
+
     def generate(self, prompts: list[Prompt], sampling: Sampling, partition: Optional[str] = None) -> list:
         groups = super().generate(prompts, sampling)
         for g in groups:
@@ -68,6 +73,11 @@ class GroupStore:
             if self.plane is None:
                 raise ValueError("this engine has no data plane; start it with data_plane=")
             self.partitions[request_id] = partition
+
+    def carry(self, request_ids: list[str], partition: str) -> None:
+        for rid in request_ids:
+            if rid in self.partitions:  # stored at the poll that returns it, never before
+                self.partitions[rid] = partition
 
     def put(self, groups: list[RolloutGroup]) -> list:
         """Store the groups' rows with one data-plane put per partition (not one per group: a put

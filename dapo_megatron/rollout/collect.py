@@ -53,6 +53,9 @@ ScoreFn = Callable[[Sequence[PromptItem], Sequence[StoredGroup]], list[Group[Sco
 class Collected:
     groups: list[Group[ScoredGroup]]  # kept groups, in arrival order
     metrics: dict[str, float]
+    # early stop with carry: the groups still in flight when the batch filled, which the next
+    # collection takes over (partial rollouts across batches) instead of aborting them
+    carried: "_EarlyStop | None" = None
 
 
 def _tokens(groups: Sequence[Group | StoredGroup]) -> int:
@@ -149,6 +152,8 @@ class _Tokens:
     scored: int = 0
     filtered: int = 0
     aborted: int = 0
+    stale: int = 0  # of groups dropped for their policy lag (carried too long)
+    stale_groups: int = 0
     responses: int = 0
     driver_bytes: int = 0
     tools: dict = field(default_factory=dict)
@@ -182,7 +187,7 @@ def _finish(sampler: DynamicSampler, tokens: _Tokens) -> Collected:
     kept = sampler.take()
     taken = {id(g) for g in kept}
     tokens.store.clear(_keys([g for g in before if id(g) not in taken]))  # the surplus
-    generated, kept_tokens = tokens.scored + tokens.aborted, _tokens(kept)
+    generated, kept_tokens = tokens.scored + tokens.aborted + tokens.stale, _tokens(kept)
     metrics.update({"sampling/generated_tokens": float(generated), "sampling/kept_tokens": float(kept_tokens),
                     "sampling/discarded_tokens": float(generated - kept_tokens),
                     "sampling/filtered_tokens": float(tokens.filtered),
@@ -284,6 +289,31 @@ class _EarlyStop:
         self.load[engine] = 0
         return len(lost)
 
+    def take_over(self, sampling: Sampling, tokens: _Tokens) -> "_EarlyStop":
+        """The next collection goes on with this one's groups in flight: the engines store them in
+        its partition once finished (each stores what it returns from a poll, and none is running)."""
+        self.sampling, self.tokens = sampling, tokens
+        by_engine: dict[int, list[str]] = {}
+        for rid, (e, _) in self.in_flight.items():
+            by_engine.setdefault(e, []).append(rid)
+        self._answers({e: self.engines[e].carry.remote(rids, tokens.store.partition) for e, rids in by_engine.items()})
+        return self
+
+    def drop_stale(self, finished: list, oldest_version: int) -> tuple[list, list[PromptItem]]:
+        """Groups with a token older than `oldest_version` (carried across more pushes than
+        trainer.max_staleness allows) are dropped, as verl's max_off_policy_strategy=drop: their
+        rows cleared, their prompts returned to the stream."""
+        keep, stale = [], []
+        for item, group in finished:
+            if min(group.versions(j)[0] for j in range(len(group.keys))) < oldest_version:
+                stale.append(item)
+                self.tokens.stale += _tokens([group])
+                self.tokens.stale_groups += 1
+                self.tokens.store.clear(group.data_keys)
+            else:
+                keep.append((item, group))
+        return keep, stale
+
     def abort_all(self) -> tuple[list[PromptItem], int]:
         """Abort what is in flight, wait for the aborted groups; returns their prompts and tokens."""
         by_engine: dict[int, list[str]] = {}
@@ -303,28 +333,45 @@ class _EarlyStop:
 def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSampler, sampler: DynamicSampler,
                        score: ScoreFn, sampling: Sampling, gen_batch_size: int, store: Store,
                        max_concurrent_per_engine: int, poll_s: float = 0.05,
-                       health: EngineHealth | None = None) -> Collected:
-    """Stream prompts to the engines until train_batch_size groups are kept, then abort the rest."""
+                       health: EngineHealth | None = None, carried: _EarlyStop | None = None,
+                       carry: bool = False, oldest_version: int | None = None, batches_after: int = 0) -> Collected:
+    """Stream prompts to the engines until train_batch_size groups are kept, then abort the rest;
+    with `carry` (async partial rollouts) the rest stays in flight for the next collection
+    (`Collected.carried`, passed back as `carried`), whose groups older than `oldest_version`
+    are dropped, and up to `batches_after` more batches' groups are in flight beside this one's."""
     tokens = _Tokens(store)
-    run = _EarlyStop(engines, dataset, sampling, max_concurrent_per_engine, tokens, health)
+    if carried is not None:
+        run = carried.take_over(sampling, tokens)
+    else:
+        run = _EarlyStop(engines, dataset, sampling, max_concurrent_per_engine, tokens, health)
     while not sampler.is_full:
         if not run.queued and not sampler.exhausted:
             run.queued.extend(dataset[i] for i in prompts.next(gen_batch_size))
             sampler.start_round()
         # No more in flight than the batch still needs at the keep rate seen so far: the rest
         # would mostly be aborted (waste) when the batch fills.
-        run.submit_ready(sampler.groups_to_fill())
+        run.submit_ready(sampler.groups_to_fill(batches_after))
         if not run.in_flight:
             break  # round budget spent and everything came back: train on what was kept
         finished = run.poll(timeout=poll_s)
+        if oldest_version is not None and finished:
+            finished, stale = run.drop_stale(finished, oldest_version)
+            prompts.push_back([it.index for it in stale])
         if finished:
             items, groups = zip(*finished)
             tokens.add(sampler, score(items, groups))
-    returned, tokens.aborted = run.abort_all()
+    returned, tokens.aborted = run.abort_all() if not carry else ([], 0)
     # Aborted prompts first, then the never-submitted ones, in their original order.
     prompts.push_back([it.index for it in returned] + [it.index for it in run.queued])
+    run.queued.clear()
     result = _finish(sampler, tokens)
     result.metrics["sampling/aborted_groups"] = float(len(returned))
+    if oldest_version is not None:
+        result.metrics.update({"sampling/stale_groups": float(tokens.stale_groups),
+                               "sampling/stale_tokens": float(tokens.stale)})
+    if carry:
+        result.metrics["sampling/carried_groups"] = float(len(run.in_flight))
+        result.carried = run if run.in_flight else None
     return result
 
 

@@ -81,15 +81,23 @@ class RolloutManager:
         self.owns_plane = start_data_plane
         if start_data_plane:
             dataplane.start(cfg.data_plane)
-        fg = cfg.algorithm.filter_groups
-        self.cfg, self.engines = cfg, engines
         self.reward = RewardWorker(cfg, tokenizer_path, data_plane)
+        scorer = RewardScorer(self.reward, cfg.algorithm.filter_groups.metric)
+        self._start(cfg, engines, dataplane.connect(data_plane), scorer, train_data, val_data, stop_token_ids)
+
+    def _start(self, cfg: DapoConfig, engines: list, plane, scorer, train_data: PromptDataset,
+               val_data: Optional[PromptDataset], stop_token_ids: tuple[int, ...]) -> None:
+        """The stream's state: what bench/async_sim.py's manager (timed stand-ins for the data
+        plane, the reward and the engines) shares with this one."""
+        fg = cfg.algorithm.filter_groups
+        self.cfg, self.engines, self.plane, self.scorer = cfg, engines, plane, scorer
         self.train_data, self.val_data, self.stop_token_ids = train_data, val_data, tuple(stop_token_ids)
-        self.plane = dataplane.connect(data_plane)
         self.prompts = PromptSampler(len(train_data), shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         self.sampler = DynamicSampler(cfg.data.train_batch_size, fg.max_num_gen_batches, fg.on_exhausted, fg.enable)
-        self.scorer = RewardScorer(self.reward, fg.metric)
         self.collections = 0  # names each collection's data-plane partition
+        # async partial rollouts: the groups in flight when the last batch filled, which the next
+        # collection takes over; a checkpoint returns their prompts to the stream (`_state`)
+        self.carried = None
         rollout = cfg.rollout
         self.health = (EngineHealth(self.engines, rollout.max_engine_restarts, rollout.engine_timeout_s)
                        if rollout.max_engine_restarts or rollout.engine_timeout_s else None)
@@ -133,13 +141,23 @@ class RolloutManager:
                                                        seed=cfg.rollout.seed + step - 1))
         args = (self.engines, self.train_data, self.prompts, self.sampler, self.scorer, sampling,
                 cfg.data.gen_batch_size, store)
+        t = cfg.trainer
         if cfg.algorithm.filter_groups.mode == "early_stop":
-            collect, args = partial(collect_early_stop, health=self.health), (*args, cfg.rollout.max_concurrent_per_engine)
+            # async with partial rollouts: stragglers go on into the next batch, not aborted, and
+            # the groups of max_staleness - 1 more batches may be in flight beside this one's; a
+            # group trained at step `step` (step - 1 pushes done) may lag max_staleness pushes
+            carry = t.mode == "async" and t.partial_rollout
+            collect = partial(collect_early_stop, health=self.health, carried=self.carried, carry=carry,
+                              oldest_version=step - 1 - t.max_staleness if carry else None,
+                              batches_after=t.max_staleness - 1 if carry else 0)
+            args = (*args, cfg.rollout.max_concurrent_per_engine)
         else:
             collect = partial(collect_sync, health=self.health)
         _kill_engine_during(step, self.engines)
+        self.carried = None
         try:
             collected = as_role("rollout engine", collect, *args)
+            self.carried = collected.carried
             if self.health is not None:  # the batch goes back once every engine is replaced: the
                 self.health.wait_alive(any_of=False)  # driver's next sync reaches them all
         except BaseException:
@@ -207,7 +225,11 @@ class RolloutManager:
             return self.before[before] if before in self.before else copy.deepcopy(self._state())
 
     def _state(self) -> dict:
-        return {"prompts": self.prompts.state_dict(), "dynamic_sampling": self.sampler.state_dict()}
+        prompts = self.prompts
+        if self.carried is not None:  # generated, not trained: a resume samples them again
+            prompts = copy.deepcopy(prompts)
+            prompts.push_back([item.index for _, item in self.carried.in_flight.values()])
+        return {"prompts": prompts.state_dict(), "dynamic_sampling": self.sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.prompts.load_state_dict(state["prompts"])

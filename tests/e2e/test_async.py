@@ -117,10 +117,16 @@ def test_async_killed_mid_update_resumes_with_every_prompt_trained_once(async_ki
     out, rows_killed, stdout, rows = async_killed_then_resumed
     assert rows_killed == [1, 2] and [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in stdout, stdout[-3000:]
-    # Each step took exactly the prompts it scored from the stream (aborted ones went back), across
-    # the kill too: the batches generated ahead and never trained gave theirs back.
+    # Each step took from the stream exactly the prompts it scored, less those of the groups it
+    # took over still running from the step before, plus those it left running for the next
+    # (partial rollouts: never aborted), across the kill too: the batches generated ahead and
+    # never trained, and the groups left running, gave theirs back.
+    carried = [r["sampling/carried_groups"] for r in rows]
+    assert any(carried), carried
     for before, row in zip(rows, rows[1:]):
-        assert row["data/prompts_consumed"] - before["data/prompts_consumed"] == row["sampling/generated_groups"]
-    assert rows[0]["data/prompts_consumed"] == rows[0]["sampling/generated_groups"]
-    assert [_saved_position(out, s) for s in (4, 5)] == [rows[3]["data/prompts_consumed"], rows[4]["data/prompts_consumed"]]
+        assert (row["data/prompts_consumed"] - before["data/prompts_consumed"]
+                == row["sampling/generated_groups"] - before["sampling/carried_groups"] + row["sampling/carried_groups"])
+    assert rows[0]["data/prompts_consumed"] == rows[0]["sampling/generated_groups"] + carried[0]
+    assert [_saved_position(out, s) for s in (4, 5)] == [rows[3]["data/prompts_consumed"] - carried[3],
+                                                         rows[4]["data/prompts_consumed"] - carried[4]]
     assert rows[-1]["data_plane/resident_mb"] == 0

@@ -70,7 +70,7 @@ class RecordingSampler:
 
     def __init__(self, n, seed=3):
         from dapo_megatron.data.sampler import PromptSampler
-        self.inner, self.served = PromptSampler(n, shuffle=True, seed=seed), []
+        self.inner, self.served, self.returned = PromptSampler(n, shuffle=True, seed=seed), [], []
 
     def next(self, k):
         out = self.inner.next(k)
@@ -78,6 +78,7 @@ class RecordingSampler:
         return out
 
     def push_back(self, indices):
+        self.returned += indices
         self.inner.push_back(indices)
 
 
@@ -161,6 +162,49 @@ def test_early_stop_aborts_and_returns_every_unused_prompt(env):
     # different times, so some are still in flight when the batch fills and must be aborted.
     sampling = Sampling(n=N, temperature=1.0, max_tokens=48, seed=0, stop_token_ids=tuple(range(100, 130)))
     _early_stop_steps(engine, dataset, plane, sampling, "early")
+
+
+def test_early_stop_carries_groups_in_flight_into_the_next_collection(env):
+    """trainer.mode=async with partial rollouts: the groups still running when a batch fills go on
+    (nothing aborted) and the next collection takes them over: they are stored in its partition
+    and scored there; a take-over whose oldest allowed policy version is past theirs never scores
+    them (dropped when they finish, aborted if the batch fills first: their prompts go back to the
+    stream). Across the three collections every prompt served is scored or returned, once."""
+    from collections import Counter
+
+    from dapo_megatron.algo import DynamicSampler
+    from dapo_megatron.rollout.collect import Store, collect_early_stop
+    from dapo_megatron.rollout.types import Sampling
+    dataset, engine, plane, _ = env
+    sampling = Sampling(n=N, temperature=1.0, max_tokens=48, seed=0, stop_token_ids=tuple(range(100, 130)))
+    prompts, scored = RecordingSampler(len(dataset), seed=7), []
+
+    def scorer(items, groups):
+        scored.extend((it.index, g.request_id) for it, g in zip(items, groups))
+        return half_degenerate(items, groups)
+
+    def collect(partition, carried, **kw):
+        start = len(scored)
+        result = collect_early_stop([engine], dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer,
+                                    sampling, GEN, Store(partition, plane), max_concurrent_per_engine=4 * N,
+                                    carried=carried, **kw)
+        _check_kept(result, plane, partition)  # carried groups stored in this partition, dropped ones not kept
+        return result, {rid for _, rid in scored[start:]}
+
+    first, _ = collect("carry1", None, carry=True, batches_after=1)
+    assert first.metrics["sampling/aborted_groups"] == 0 and first.carried is not None
+    carried = set(first.carried.in_flight)
+    assert first.metrics["sampling/carried_groups"] == len(carried) >= 1
+    second, rids2 = collect("carry2", first.carried, carry=True, batches_after=1, oldest_version=0)
+    assert carried & rids2, (carried, rids2)  # finished and scored in the next collection
+    assert second.metrics["sampling/stale_groups"] == 0 and second.carried is not None
+    carried2 = set(second.carried.in_flight)
+    import ray
+    ray.get(engine.begin_weight_update.remote())  # a push (of no tensors): what runs on is sampled by version 1
+    ray.get(engine.finish_weight_update.remote(1))
+    third, rids3 = collect("carry3", second.carried, oldest_version=1)  # the carried began under version 0
+    assert not carried2 & rids3 and third.metrics["sampling/stale_groups"] <= len(carried2)
+    assert Counter(prompts.served) == Counter(i for i, _ in scored) + Counter(prompts.returned)
 
 
 def test_early_stop_multi_turn_with_a_slow_tool_returns_every_unused_prompt(tool_env):

@@ -104,8 +104,9 @@ def test_groups_to_fill_follows_the_keep_rate_of_all_steps():
     assert s.groups_to_fill() == 4  # nothing seen yet: assume every group is kept
     s.add([Group([1.0, 0.0]), Group([1.0, 1.0]), Group([0.0, 0.0]), Group([0.0, 0.0])], new_round=False)
     assert s.groups_to_fill() == 12  # 3 missing at 1 kept in 4
+    assert s.groups_to_fill(batches_after=2) == 44  # async carrying groups: two more batches of 4 too
     s.add([Group([1.0, 0.0])] * 3, new_round=False)
-    assert s.is_full and s.groups_to_fill() == 0
+    assert s.is_full and s.groups_to_fill() == 0 and s.groups_to_fill(batches_after=1) == 0  # this batch is done
     s.take()
     assert s.groups_to_fill() == math.ceil(4 * 7 / 4)  # the rate carries over to the next step
     none_kept = DynamicSampler(train_batch_size=2, max_num_gen_batches=0)

@@ -218,6 +218,7 @@ REFUSED = [
     (["+trainer.v1.sampler.max_off_policy_threshold=-1"], "policy versions >= 0"),
     (["+trainer.v1.sampler.max_off_policy_threshold=1.5"], "whole number"),
     (["+trainer.v1.sampler.max_off_policy_strategy=keep"], "drop or wait"),
+    (["+trainer.v1.sampler.max_off_policy_strategy=wait"], "is not built"),
     (["+trainer.v1.separate_async.parameter_sync_step=2"], "pushed after every update"),
     (["+async_training.trigger_parameter_sync_step=4"], "pushed after every update"),
     (["+async_training.staleness_threshold=0.5"], "trainer.max_staleness"),
