@@ -12,8 +12,9 @@ training ranks (no model, no vLLM, no Megatron: labelled "simulated" in every ta
    trainer's phase times as bench/async_throughput.py measured them: bench/data/async_quickstart.json)
    in sync, one_step_off and async, and their step anatomy is set beside the measured one.
 2. A 30B-class cluster (`LARGE`, its parameters stated beside it): sync, one_step_off, async
-   at max_staleness 1, 2 and 4, and async at 2 without partial rollouts (stragglers aborted,
-   pushes drained: the overlap alone). Virtual time runs `--scale` times faster than the wall
+   at max_staleness 1, 2 and 4, async at 2 without partial rollouts (stragglers aborted,
+   pushes drained: the overlap alone), and async at 1 and 2 holding a batch for the groups the
+   next would drop (trainer.stale_strategy=wait). Virtual time runs `--scale` times faster than the wall
    clock; each table says how far the stand-in engines fell behind their model (a busy machine).
 """
 from __future__ import annotations
@@ -134,11 +135,22 @@ class SimEngine:
             self.waiting.extend((request_id, j) for j in range(sampling.n))
             self.cond.notify_all()
 
-    def poll(self, timeout: float = 0.0, max_groups=None) -> list[StoredGroup]:
+    def poll(self, timeout: float = 0.0, max_groups=None, only=None) -> list[StoredGroup]:
+        wanted = None if only is None else set(only)
         with self.cond:
-            self.cond.wait_for(lambda: self.finished, timeout=timeout)
-            out, self.finished = self.finished, []
+            def ready() -> list[StoredGroup]:
+                return [g for g in self.finished if wanted is None or g.request_id in wanted]
+            self.cond.wait_for(ready, timeout=timeout)
+            out = ready()
+            self.finished = [g for g in self.finished if wanted is not None and g.request_id not in wanted]
             return out
+
+    def oldest_versions(self, request_ids) -> dict[str, int]:
+        with self.cond:
+            out = {g.request_id: min(g.versions(j)[0] for j in range(len(g.keys))) for g in self.finished}
+            out.update({rid: min(r.spans[0][0] if r.spans else self.version for r in req.responses)
+                        for rid, req in self.requests.items()})
+            return {rid: out[rid] for rid in request_ids if rid in out}
 
     def generate(self, prompts, sampling, partition=None):
         raise NotImplementedError("the simulator runs algorithm.filter_groups.mode=early_stop (submit / poll)")
@@ -536,7 +548,8 @@ MODES = {  # name -> overrides of quickstart_async
 LARGE_MODES = {"sync": MODES["sync"], "one_step_off": MODES["one_step_off"],
                # stragglers aborted at each full batch, pushes wait for the batches asked: overlap only
                "async k=2, no partial rollout": [*MODES["async k=2"], "trainer.partial_rollout=false"],
-               **{k: MODES[k] for k in ("async k=1", "async k=2", "async k=4")}}
+               **{k: MODES[k] for k in ("async k=1", "async k=2", "async k=4")},
+               **{f"{k}, wait": [*MODES[k], "trainer.stale_strategy=wait"] for k in ("async k=1", "async k=2")}}
 WARMUP = 2
 
 
@@ -585,7 +598,7 @@ def large_table(steps: int, scale: float, seed: int) -> list[str]:
     engines' busy share and how full they run while busy, the tokens generated and never trained
     (aborted stragglers, groups dropped for their lag), the policy lag and the partial share."""
     lines = ["| mode (simulated) | responses/s | x sync | step (s) | generation / trainer wait (s) | train (s) | "
-             "engines busy | running / slots | aborted + stale tokens | lag mean / max | partial | groups carried |",
+             "engines busy | running / slots | aborted + stale tokens | lag mean / max | partial | groups carried / waited |",
              "|---" * 12 + "|"]
     base, late = None, 0.0
     for mode, overrides in LARGE_MODES.items():
@@ -604,7 +617,8 @@ def large_table(steps: int, scale: float, seed: int) -> list[str]:
             f"{statistics.mean(r['rollout/staleness_mean'] for r in rows):.2f} / "
             f"{max(r['rollout/staleness_max'] for r in rows):.0f} | "
             f"{statistics.mean(r['rollout/partial_frac'] for r in rows):.2f} | "
-            f"{statistics.mean(r.get('sampling/carried_groups', 0) for r in rows):.0f} |")
+            f"{statistics.mean(r.get('sampling/carried_groups', 0) for r in rows):.0f} / "
+            f"{statistics.mean(r.get('sampling/waited_groups', 0) for r in rows):.1f} |")
         print(lines[-1], flush=True)
     lines.append(f"(the stand-in engines fell behind their model by at most {late * 100:.1f}% of a step)")
     print(lines[-1], flush=True)

@@ -236,6 +236,10 @@ class TrainerConfig:
     mode: str = "sync"
     max_staleness: int = 1  # async: policy versions the oldest token of a trained response may lag
     partial_rollout: bool = True  # async: a push reaches responses mid-generation (each token's version kept)
+    # async partial rollouts: a straggler that would pass max_staleness before it is trained is
+    # dropped when it finishes, its prompt back in the stream (drop), or the batch it would miss
+    # waits for it (wait): verl's max_off_policy_strategy
+    stale_strategy: str = "drop"
     total_training_steps: Optional[int] = None  # null: derived from total_epochs
     total_epochs: int = 1
     save_freq: int = -1  # -1: only at the end / on SIGTERM

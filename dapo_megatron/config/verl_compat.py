@@ -225,15 +225,13 @@ def _lag_bound(value: str) -> list[str]:
     return [f"trainer.max_staleness={int(lag)}"] if lag > 1 else []  # 1: ours by default
 
 
-# A group carried across batches (async partial rollouts) past trainer.max_staleness is dropped when
-# it finishes, its prompt back in the stream: verl's `drop`. Holding the batch for it (`wait`) is not built.
+# verl's strategy for a sample past the lag bound: dropped, or waited for (ours: a group carried
+# across batches that the next batch would drop holds the batch it can still join).
 def _lag_strategy(value: str) -> list[str]:
-    if _bare(value).lower() == "wait":
-        raise ValueError("trainer.v1.sampler.max_off_policy_strategy=wait is not built: a group older than "
-                         "trainer.max_staleness is dropped here (drop); set drop or raise trainer.max_staleness")
-    if _bare(value).lower() != "drop":
+    strategy = _bare(value).lower()
+    if strategy not in ("drop", "wait"):
         raise ValueError(f"trainer.v1.sampler.max_off_policy_strategy={_bare(value)} is not drop or wait")
-    return []
+    return [f"trainer.stale_strategy={strategy}"]
 
 
 def _sync_every(key: str) -> Callable[[str], list[str]]:

@@ -43,8 +43,8 @@ class EngineActor(Engine):
         self._store.expect(request_id, partition)
         super().submit(request_id, prompt, sampling, index)
 
-    def poll(self, timeout: float = 0.0, max_groups: Optional[int] = None) -> list:
-        return self._store.put(super().poll(timeout, max_groups))
+    def poll(self, timeout: float = 0.0, max_groups: Optional[int] = None, only: Optional[list[str]] = None) -> list:
+        return self._store.put(super().poll(timeout, max_groups, only))
 
     def carry(self, request_ids: list[str], partition: str) -> None:
         """Groups in flight go to another partition when they finish (the rollout manager's next

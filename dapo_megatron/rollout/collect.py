@@ -63,6 +63,11 @@ def _tokens(groups: Sequence[Group | StoredGroup]) -> int:
     return sum(sum(g.response_lengths) for g in rollouts)
 
 
+def _oldest(group: StoredGroup) -> int:
+    """The policy version of the group's oldest token."""
+    return min(group.versions(j)[0] for j in range(len(group.keys)))
+
+
 def _keys(groups: Sequence[Group]) -> list[str]:
     return [k for g in groups for k in g.payload.rollout.data_keys]
 
@@ -240,11 +245,16 @@ class _EarlyStop:
             if len(self._answers(calls)) == len(calls):
                 return
 
-    def poll(self, timeout: float) -> list[tuple[PromptItem, StoredGroup]]:
+    def poll(self, timeout: float, only: set[str] | None = None) -> list[tuple[PromptItem, StoredGroup]]:
+        """Finished groups; `only`: just these request ids (the others stay in their engines)."""
         self.tokens.store.between()
         done, asked = [], time.monotonic()
-        busy = [e for e in self._alive() if self.load[e]]
-        answers = self._answers({e: self.engines[e].poll.remote(timeout=timeout) for e in busy}, wait_s=timeout)
+        if only is None:
+            calls = {e: self.engines[e].poll.remote(timeout=timeout) for e in self._alive() if self.load[e]}
+        else:
+            calls = {e: self.engines[e].poll.remote(timeout=timeout, only=rids) for e, rids in self._by_engine(only).items()}
+        busy = list(calls)
+        answers = self._answers(calls, wait_s=timeout)
         for e, results in answers.items():
             self.tokens.driver_bytes += received(results)
             if results:
@@ -255,7 +265,9 @@ class _EarlyStop:
                 done.append((item, group))
         # An answer tells what had finished when the poll was asked (a hung peer may have kept
         # this loop waiting since), so an engine's silence is measured up to then.
-        limit = self.health.timeout_s if self.health is not None else 0.0
+        # (Not while a batch waits for its stragglers: the others finish unpolled, so silence
+        # there is no sign of a hang; a dead engine is still seen.)
+        limit = self.health.timeout_s if self.health is not None and only is None else 0.0
         for e in busy:
             if limit and self.health.alive(e) and self.load[e] and asked - self.progress[e] > limit:
                 self.health.hung(e, asked - self.progress[e], self._requeue(e))
@@ -289,15 +301,26 @@ class _EarlyStop:
         self.load[engine] = 0
         return len(lost)
 
+    def _by_engine(self, rids: set[str] | None = None) -> dict[int, list[str]]:
+        """engine -> its request ids in flight (among `rids`; None: all)."""
+        out: dict[int, list[str]] = {}
+        for rid, (e, _) in self.in_flight.items():
+            if rids is None or rid in rids:
+                out.setdefault(e, []).append(rid)
+        return out
+
     def take_over(self, sampling: Sampling, tokens: _Tokens) -> "_EarlyStop":
         """The next collection goes on with this one's groups in flight: the engines store them in
         its partition once finished (each stores what it returns from a poll, and none is running)."""
         self.sampling, self.tokens = sampling, tokens
-        by_engine: dict[int, list[str]] = {}
-        for rid, (e, _) in self.in_flight.items():
-            by_engine.setdefault(e, []).append(rid)
-        self._answers({e: self.engines[e].carry.remote(rids, tokens.store.partition) for e, rids in by_engine.items()})
+        self._answers({e: self.engines[e].carry.remote(rids, tokens.store.partition)
+                       for e, rids in self._by_engine().items()})
         return self
+
+    def older_than(self, version: int) -> set[str]:
+        """The groups in flight (or finished, not yet polled) with a token older than `version`."""
+        answers = self._answers({e: self.engines[e].oldest_versions.remote(rids) for e, rids in self._by_engine().items()})
+        return {rid for versions in answers.values() for rid, v in versions.items() if v < version}
 
     def drop_stale(self, finished: list, oldest_version: int) -> tuple[list, list[PromptItem]]:
         """Groups with a token older than `oldest_version` (carried across more pushes than
@@ -305,7 +328,7 @@ class _EarlyStop:
         rows cleared, their prompts returned to the stream."""
         keep, stale = [], []
         for item, group in finished:
-            if min(group.versions(j)[0] for j in range(len(group.keys))) < oldest_version:
+            if _oldest(group) < oldest_version:
                 stale.append(item)
                 self.tokens.stale += _tokens([group])
                 self.tokens.stale_groups += 1
@@ -316,10 +339,7 @@ class _EarlyStop:
 
     def abort_all(self) -> tuple[list[PromptItem], int]:
         """Abort what is in flight, wait for the aborted groups; returns their prompts and tokens."""
-        by_engine: dict[int, list[str]] = {}
-        for rid, (e, _) in self.in_flight.items():
-            by_engine.setdefault(e, []).append(rid)
-        self._answers({e: self.engines[e].abort.remote(rids) for e, rids in by_engine.items()})
+        self._answers({e: self.engines[e].abort.remote(rids) for e, rids in self._by_engine().items()})
         returned, tokens = [], 0
         while self.in_flight:
             for item, group in self.poll(timeout=0.5):
@@ -334,11 +354,14 @@ def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSam
                        score: ScoreFn, sampling: Sampling, gen_batch_size: int, store: Store,
                        max_concurrent_per_engine: int, poll_s: float = 0.05,
                        health: EngineHealth | None = None, carried: _EarlyStop | None = None,
-                       carry: bool = False, oldest_version: int | None = None, batches_after: int = 0) -> Collected:
+                       carry: bool = False, oldest_version: int | None = None, batches_after: int = 0,
+                       wait: bool = False) -> Collected:
     """Stream prompts to the engines until train_batch_size groups are kept, then abort the rest;
     with `carry` (async partial rollouts) the rest stays in flight for the next collection
     (`Collected.carried`, passed back as `carried`), whose groups older than `oldest_version`
-    are dropped, and up to `batches_after` more batches' groups are in flight beside this one's."""
+    are dropped, and up to `batches_after` more batches' groups are in flight beside this one's.
+    `wait` (trainer.stale_strategy=wait): the full batch also waits for the groups in flight that
+    the next collection would drop, and trains on them first."""
     tokens = _Tokens(store)
     if carried is not None:
         run = carried.take_over(sampling, tokens)
@@ -353,13 +376,15 @@ def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSam
         run.submit_ready(sampler.groups_to_fill(batches_after))
         if not run.in_flight:
             break  # round budget spent and everything came back: train on what was kept
-        finished = run.poll(timeout=poll_s)
-        if oldest_version is not None and finished:
-            finished, stale = run.drop_stale(finished, oldest_version)
-            prompts.push_back([it.index for it in stale])
-        if finished:
-            items, groups = zip(*finished)
-            tokens.add(sampler, score(items, groups))
+        _score(run.poll(timeout=poll_s), run, prompts, sampler, score, oldest_version)
+    waited, t_wait = set(), time.monotonic()
+    if wait and carry and oldest_version is not None and sampler.is_full:
+        waited = pending = run.older_than(oldest_version + 1)
+        while pending:  # nothing more is submitted meanwhile: a new group could be as old
+            _score(run.poll(timeout=poll_s, only=pending), run, prompts, sampler, score, oldest_version)
+            pending = pending & run.in_flight.keys()  # finished, or requeued from a dead engine
+        # the oldest first into the batch: the surplus of fresh groups is what take() clears
+        sampler.buffer.sort(key=lambda g: _oldest(g.payload.rollout))
     returned, tokens.aborted = run.abort_all() if not carry else ([], 0)
     # Aborted prompts first, then the never-submitted ones, in their original order.
     prompts.push_back([it.index for it in returned] + [it.index for it in run.queued])
@@ -369,10 +394,24 @@ def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSam
     if oldest_version is not None:
         result.metrics.update({"sampling/stale_groups": float(tokens.stale_groups),
                                "sampling/stale_tokens": float(tokens.stale)})
+    if wait:
+        result.metrics.update({"sampling/waited_groups": float(len(waited)),
+                               "timing/stale_wait": time.monotonic() - t_wait if waited else 0.0})
     if carry:
         result.metrics["sampling/carried_groups"] = float(len(run.in_flight))
         result.carried = run if run.in_flight else None
     return result
+
+
+def _score(finished: list, run: _EarlyStop, prompts: PromptSampler, sampler: DynamicSampler, score: ScoreFn,
+           oldest_version: int | None) -> None:
+    """Finished groups into the sampler, those older than `oldest_version` dropped first."""
+    if oldest_version is not None and finished:
+        finished, stale = run.drop_stale(finished, oldest_version)
+        prompts.push_back([it.index for it in stale])
+    if finished:
+        items, groups = zip(*finished)
+        run.tokens.add(sampler, score(items, groups))
 
 
 def groups_to_batch(groups: Sequence[Group[ScoredGroup]], partition: str) -> StepBatch:

@@ -71,6 +71,9 @@ class Engine:
         self._sleep_supported = self._platform_sleeps()
         self._commands: queue.Queue = queue.Queue()
         self._results: queue.Queue = queue.Queue()  # finished groups of `submit`, read by `poll`
+        # finished groups a filtered poll (`only`) or `oldest_versions` took off the queue and did not return
+        self._held: list[RolloutGroup] = []
+        self._held_lock = threading.Lock()  # the actor runs several calls at once (poll beside submit)
         self._requests = Requests(self._add_request, self._llm.abort_request)
         self._requests.features = features_for(spec, self._requests, self._post)
         self._paused = self._updating = self._stop = False
@@ -167,16 +170,45 @@ class Engine:
         """Start one prompt's group; it comes back from `poll` once all n responses finished."""
         self._call(lambda: self._requests.add(request_id, prompt, sampling, index, self._results))
 
-    def poll(self, timeout: float = 0.0, max_groups: Optional[int] = None) -> list[RolloutGroup]:
-        """Finished groups of `submit` (waits up to timeout seconds for the first one)."""
+    def poll(self, timeout: float = 0.0, max_groups: Optional[int] = None,
+             only: Optional[Iterable[str]] = None) -> list[RolloutGroup]:
+        """Finished groups of `submit` (waits up to timeout seconds for the first one). `only`: just
+        these request ids; the other finished groups stay for a later poll (trainer.stale_strategy=wait
+        takes the stragglers a batch waits for and leaves the rest to the next collection)."""
+        wanted = None if only is None else set(only)
+        deadline = time.monotonic() + timeout
         out: list[RolloutGroup] = []
-        try:
-            out.append(self._results.get(timeout=timeout) if timeout > 0 else self._results.get_nowait())
+        with self._held_lock:
+            pending, self._held = self._held, []
             while max_groups is None or len(out) < max_groups:
-                out.append(self._results.get_nowait())
-        except queue.Empty:
-            pass
+                if pending:
+                    group = pending.pop(0)
+                else:
+                    left = deadline - time.monotonic() if not out else 0.0
+                    try:
+                        group = self._results.get(timeout=left) if left > 0 else self._results.get_nowait()
+                    except queue.Empty:
+                        break
+                (out if wanted is None or group.request_id in wanted else self._held).append(group)
+            self._held.extend(pending)
         return out
+
+    def oldest_versions(self, request_ids: Iterable[str]) -> dict[str, int]:
+        """request id -> the policy version of its group's oldest token, for those in flight or
+        finished and not yet polled (a response not started yet: the version it will start under)."""
+        def oldest(group: RolloutGroup) -> int:
+            return min(spans[0][0] for spans in group.version_spans)
+        # the live ones on the loop thread (a push rewrites their spans there), then the finished: a
+        # group finishing meanwhile is in one of the two
+        versions = self._call(lambda: {rid: oldest(live.group) for rid, live in self._requests.live.items()})
+        with self._held_lock:
+            while True:
+                try:
+                    self._held.append(self._results.get_nowait())
+                except queue.Empty:
+                    break
+            versions.update({g.request_id: oldest(g) for g in self._held})
+        return {rid: versions[rid] for rid in request_ids if rid in versions}
 
     def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[RolloutGroup]:
         """Groups of n responses for each prompt, in prompt order (blocks until all finished)."""

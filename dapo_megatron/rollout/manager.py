@@ -149,7 +149,7 @@ class RolloutManager:
             carry = t.mode == "async" and t.partial_rollout
             collect = partial(collect_early_stop, health=self.health, carried=self.carried, carry=carry,
                               oldest_version=step - 1 - t.max_staleness if carry else None,
-                              batches_after=t.max_staleness - 1 if carry else 0)
+                              batches_after=t.max_staleness - 1 if carry else 0, wait=t.stale_strategy == "wait")
             args = (*args, cfg.rollout.max_concurrent_per_engine)
         else:
             collect = partial(collect_sync, health=self.health)

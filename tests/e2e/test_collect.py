@@ -207,6 +207,62 @@ def test_early_stop_carries_groups_in_flight_into_the_next_collection(env):
     assert Counter(prompts.served) == Counter(i for i, _ in scored) + Counter(prompts.returned)
 
 
+def test_a_batch_waits_for_the_stragglers_the_next_would_drop(env):
+    """trainer.stale_strategy=wait: two long groups left running by a collection (its straggler
+    state, set up directly: which groups a real one leaves running is timing) are still going
+    under the old weights when the next batch fills with short new groups; that batch waits for
+    them (polling them alone: the new groups finishing meanwhile stay in the engine for the
+    collection after) and trains on them first. Nothing carried further is older than the next
+    bound, so the collection after drops nothing; every prompt served is scored or returned, once."""
+    from collections import Counter
+
+    import ray
+
+    from dapo_megatron.algo import DynamicSampler
+    from dapo_megatron.rollout.collect import Store, _EarlyStop, _Tokens, collect_early_stop
+    from dapo_megatron.rollout.types import Sampling
+    dataset, engine, plane, _ = env
+    long = Sampling(n=N, temperature=1.0, max_tokens=440, seed=0, ignore_eos=True)
+    short = Sampling(n=N, temperature=1.0, max_tokens=2, seed=0, ignore_eos=True)
+    prompts, scored = RecordingSampler(len(dataset), seed=11), []
+
+    def scorer(items, groups):
+        scored.extend((it.index, g.request_id) for it, g in zip(items, groups))
+        return half_degenerate(items, groups)
+
+    def collect(partition, carried, oldest_version, **kw):
+        start = len(scored)
+        result = collect_early_stop([engine], dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer,
+                                    short, GEN, Store(partition, plane), max_concurrent_per_engine=16 * N,
+                                    carried=carried, oldest_version=oldest_version, **kw)
+        _check_kept(result, plane, partition)
+        return result, {rid for _, rid in scored[start:]}
+
+    def push(version):  # (of no tensors)
+        ray.get(engine.begin_weight_update.remote())
+        ray.get(engine.finish_weight_update.remote(version))
+
+    v = 100  # the module's engine has had pushes of other tests
+    push(v)
+    stragglers = _EarlyStop([engine], dataset, long, 16 * N, _Tokens(Store("wait1", plane)))
+    stragglers.queued.extend(dataset[i] for i in prompts.next(2))
+    stragglers.submit_ready(2)
+    carried = set(stragglers.in_flight)
+    push(v + 1)  # the batch before trained: max_staleness 1 lets the next batch train version v, not later ones
+    assert set(ray.get(engine.oldest_versions.remote(list(carried))).values()) == {v}
+    # room beside the stragglers for new groups: they fill the batch first
+    second, rids2 = collect("wait2", stragglers, v, carry=True, batches_after=3, wait=True)
+    assert second.metrics["sampling/waited_groups"] == 2 and second.metrics["timing/stale_wait"] > 0
+    assert carried <= rids2, carried - rids2  # scored here, none left to drop
+    trained = {g.payload.rollout.request_id for g in second.groups}
+    assert {rid for i, rid in scored if rid in carried and i % 2} <= trained  # the kept ones in the batch
+    held = set(second.carried.in_flight) if second.carried is not None else set()
+    assert min(ray.get(engine.oldest_versions.remote(list(held))).values(), default=v + 1) == v + 1
+    third, _ = collect("wait3", second.carried, v + 1)  # the rest aborted, prompts returned
+    assert third.metrics["sampling/stale_groups"] == 0
+    assert Counter(prompts.served) == Counter(i for i, _ in scored) + Counter(prompts.returned)
+
+
 def test_early_stop_multi_turn_with_a_slow_tool_returns_every_unused_prompt(tool_env):
     """Multi-turn, with a tool that answers 0.3-2 s late: conversations in flight when the batch
     fills (generating, or waiting on the tool) are aborted and their prompts go back to the stream

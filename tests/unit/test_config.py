@@ -177,6 +177,8 @@ RULES = [
     (["trainer.mode=async"], "trainer.placement"),
     (["trainer.max_staleness=0"], "trainer.max_staleness"),
     (["trainer.max_staleness=2"], "trainer.max_staleness"),  # bounds trainer.mode=async only
+    (["trainer.stale_strategy=hold"], "trainer.stale_strategy"),
+    (["trainer.stale_strategy=wait"], "trainer.stale_strategy"),  # acts on groups async carries only
     (["trainer.mode=one_step_off"], "trainer.placement"),
     (["actor.rollout_correction.rs=seq_mean_k3"], "actor.rollout_correction.rs_threshold"),
     (["actor.rollout_correction.rs=seq_max_k1", "actor.rollout_correction.rs_threshold=2"], "actor.rollout_correction.rs"),

@@ -110,6 +110,8 @@ TRANSLATED = [
       "+trainer.v1.separate_async.parameter_sync_step=1", *SPLIT], "trainer.max_staleness", 2),
     (["+trainer.v1.trainer_mode=separate_async", *SPLIT], "algorithm.filter_groups.mode", "early_stop"),
     (["+async_training.partial_rollout=False", *SPLIT], "trainer.partial_rollout", False),
+    (["+trainer.v1.sampler.max_off_policy_strategy=wait", "+trainer.v1.trainer_mode=separate_async", *SPLIT],
+     "trainer.stale_strategy", "wait"),
 ]
 
 
@@ -218,7 +220,6 @@ REFUSED = [
     (["+trainer.v1.sampler.max_off_policy_threshold=-1"], "policy versions >= 0"),
     (["+trainer.v1.sampler.max_off_policy_threshold=1.5"], "whole number"),
     (["+trainer.v1.sampler.max_off_policy_strategy=keep"], "drop or wait"),
-    (["+trainer.v1.sampler.max_off_policy_strategy=wait"], "is not built"),
     (["+trainer.v1.separate_async.parameter_sync_step=2"], "pushed after every update"),
     (["+async_training.trigger_parameter_sync_step=4"], "pushed after every update"),
     (["+async_training.staleness_threshold=0.5"], "trainer.max_staleness"),
