@@ -124,6 +124,9 @@ def main() -> None:
             near = by_step[min(by_step, key=lambda k: abs(k - s))]
             cells = [f"{near.get(n, float('nan')):.1f}" for n in names]
             print(f"| {s} | {r['data_plane/resident_mb']:.3f} | " + " | ".join(cells) + f" | {r['timing/step']:.2f} |")
+    times = sorted(r["timing/step"] for r in rows if r["step"] > args.after)
+    if times:
+        print(f"\nmedian step after step {args.after}: {times[len(times) // 2]:.3f} s")
     print(f"\nslope after step {args.after} (kB per step; target < 1)")
     print("| " + " | ".join(names) + " |\n|" + "---|" * len(names))
     print("| " + " | ".join(f"{slope_kb([(s, r[n]) for s, r in by_step.items() if s > args.after and n in r]):.2f}"
