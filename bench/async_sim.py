@@ -147,7 +147,7 @@ class SimEngine:
 
     def oldest_versions(self, request_ids) -> dict[str, int]:
         with self.cond:
-            out = {g.request_id: min(g.versions(j)[0] for j in range(len(g.keys))) for g in self.finished}
+            out = {g.request_id: g.oldest_version for g in self.finished}
             out.update({rid: min(r.spans[0][0] if r.spans else self.version for r in req.responses)
                         for rid, req in self.requests.items()})
             return {rid: out[rid] for rid in request_ids if rid in out}

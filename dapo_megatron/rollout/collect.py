@@ -63,11 +63,6 @@ def _tokens(groups: Sequence[Group | StoredGroup]) -> int:
     return sum(sum(g.response_lengths) for g in rollouts)
 
 
-def _oldest(group: StoredGroup) -> int:
-    """The policy version of the group's oldest token."""
-    return min(group.versions(j)[0] for j in range(len(group.keys)))
-
-
 def _keys(groups: Sequence[Group]) -> list[str]:
     return [k for g in groups for k in g.payload.rollout.data_keys]
 
@@ -328,7 +323,7 @@ class _EarlyStop:
         rows cleared, their prompts returned to the stream."""
         keep, stale = [], []
         for item, group in finished:
-            if _oldest(group) < oldest_version:
+            if group.oldest_version < oldest_version:
                 stale.append(item)
                 self.tokens.stale += _tokens([group])
                 self.tokens.stale_groups += 1
@@ -384,7 +379,7 @@ def collect_early_stop(engines: list, dataset: PromptDataset, prompts: PromptSam
             _score(run.poll(timeout=poll_s, only=pending), run, prompts, sampler, score, oldest_version)
             pending = pending & run.in_flight.keys()  # finished, or requeued from a dead engine
         # the oldest first into the batch: the surplus of fresh groups is what take() clears
-        sampler.buffer.sort(key=lambda g: _oldest(g.payload.rollout))
+        sampler.buffer.sort(key=lambda g: g.payload.rollout.oldest_version)
     returned, tokens.aborted = run.abort_all() if not carry else ([], 0)
     # Aborted prompts first, then the never-submitted ones, in their original order.
     prompts.push_back([it.index for it in returned] + [it.index for it in run.queued])

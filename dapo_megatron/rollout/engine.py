@@ -196,18 +196,16 @@ class Engine:
     def oldest_versions(self, request_ids: Iterable[str]) -> dict[str, int]:
         """request id -> the policy version of its group's oldest token, for those in flight or
         finished and not yet polled (a response not started yet: the version it will start under)."""
-        def oldest(group: RolloutGroup) -> int:
-            return min(spans[0][0] for spans in group.version_spans)
         # the live ones on the loop thread (a push rewrites their spans there), then the finished: a
         # group finishing meanwhile is in one of the two
-        versions = self._call(lambda: {rid: oldest(live.group) for rid, live in self._requests.live.items()})
+        versions = self._call(lambda: {rid: live.group.oldest_version for rid, live in self._requests.live.items()})
         with self._held_lock:
             while True:
                 try:
                     self._held.append(self._results.get_nowait())
                 except queue.Empty:
                     break
-            versions.update({g.request_id: oldest(g) for g in self._held})
+            versions.update({g.request_id: g.oldest_version for g in self._held})
         return {rid: versions[rid] for rid in request_ids if rid in versions}
 
     def generate(self, prompts: list[Prompt], sampling: Sampling) -> list[RolloutGroup]:

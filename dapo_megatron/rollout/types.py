@@ -120,6 +120,11 @@ class RolloutGroup:
                            list(self.finish_reasons), list(self.turns), dict(self.tool_stats), fields, image_key,
                            *self._versions())
 
+    @property
+    def oldest_version(self) -> int:
+        """The policy version of the group's oldest token (of its first, for a response not started)."""
+        return min(spans[0][0] for spans in self.version_spans)
+
     def _versions(self) -> tuple[int, list]:
         """(the version every response was sampled by, []) when one was, else (0, the spans): what
         the manager receives per group stays one int unless a push split a response."""
@@ -163,6 +168,11 @@ class StoredGroup:
             return self.version, self.version
         spans = self.version_spans[j]
         return spans[0][0], spans[-1][0]
+
+    @property
+    def oldest_version(self) -> int:
+        """The policy version of the group's oldest token: what the staleness bound compares."""
+        return min(self.versions(j)[0] for j in range(len(self.keys)))
 
     @property
     def data_keys(self) -> list[str]:

@@ -4,6 +4,7 @@ abort (also of multi-turn conversations with a slow tool), the data plane holds 
 rows, and the driver gets metadata only."""
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -109,6 +110,17 @@ def _check_kept(result, plane, partition):
     assert result.metrics["driver/bytes"] / result.metrics["sampling/scored_responses"] < 400
     plane.clear(partition)
     return batch
+
+
+def test_the_engine_process_runs_in_the_device_layers_environment(env):
+    """Set before vLLM's import in the engine's own process (runtime env), not the caller's: the
+    oneDNN cache capacity, for one, is read once at the first kernel."""
+    import ray
+
+    from dapo_megatron.device import get_device
+    want = get_device("cpu").vllm_env(1)
+    got = ray.get(env[1].__ray_call__.remote(lambda self: {k: os.environ.get(k) for k in want}))
+    assert got == want and want["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
 
 
 def test_sync_mode_keeps_exactly_train_batch_size(env):

@@ -38,6 +38,10 @@ def test_a_push_splits_the_unfinished_responses_only():
     done.version_spans = [[(3, 0)]] * 3  # one version for the whole group: the manager gets one int
     stored = done.stored("p", ["k0", "k1", "k2"])
     assert (stored.version, stored.version_spans, stored.versions(2)) == (3, [], (3, 3))
+    assert done.oldest_version == stored.oldest_version == 3
+    # the staleness bound reads the oldest token of any response, not the first response's
+    done.version_spans = [[(5, 0)], [(4, 0), (5, 3)], [(6, 0)]]
+    assert done.oldest_version == done.stored("p", ["k0", "k1", "k2"]).oldest_version == 4
 
 
 def test_a_push_before_the_first_token_leaves_one_version():

