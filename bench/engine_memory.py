@@ -1,0 +1,101 @@
+"""A rollout engine's heap over many rounds, with and without oneDNN's global kernel cache.
+
+    python bench/engine_memory.py [--rounds 120] [--every 20] [--settings off,on]
+
+One quickstart-sized vLLM-CPU engine, in-process, alone: each round generates 24 prompts of
+20-64 random tokens x n=8 (16 tokens each) and then pushes the same weights back, as a step
+does. Every new token count makes vLLM-CPU build a oneDNN matmul kernel per layer; its
+handlers keep 32 a layer, and oneDNN's own global cache up to 1024 more. The CPU device turns
+that global cache off (`ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`, `off`); `on` restores oneDNN's
+default (1024). Each setting runs in a fresh process, one after the other; prints RSS and glibc's
+in-use / free bytes (mallinfo2) and the mean generate time of each `--every` rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+CAPACITY = {"off": "0", "on": "1024"}  # setting -> ONEDNN_PRIMITIVE_CACHE_CAPACITY
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+def _child(rounds: int, every: int, capacity: str) -> None:
+    """Run the engine; one JSON line per `every` rounds."""
+    import psutil
+    import torch
+    from safetensors.torch import load_file
+
+    from dapo_megatron.assets.models import build_tiny_model
+    from dapo_megatron.batch import Prompt
+    from dapo_megatron.config.schema import RolloutConfig
+    from dapo_megatron.device import Device
+    from dapo_megatron.rollout.engine import Engine
+    from dapo_megatron.rollout.engine_spec import EngineSpec
+    from dapo_megatron.rollout.types import Sampling
+    cpu_env = Device.vllm_env  # the engine applies the device's environment at start: `on` overrides it
+    Device.vllm_env = lambda self, tp=1: {**cpu_env(self, tp), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": capacity}
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallinfo2.restype = _MallInfo2
+    path = build_tiny_model("qwen3_moe", f"{tempfile.mkdtemp()}/m", vocab_size=1024, seed=0)
+    engine = Engine(EngineSpec.from_model(path, RolloutConfig(enforce_eager=True, max_num_batched_tokens=4096),
+                                          dtype="fp32", max_model_len=96), device="cpu")
+    weights = sorted(load_file(f"{path}/model.safetensors").items())
+    g = torch.Generator().manual_seed(0)
+    gen_s = 0.0
+    for r in range(1, rounds + 1):
+        lengths = torch.randint(20, 64, (24,), generator=g).tolist()
+        prompts = [Prompt(tuple(torch.randint(0, 1024, (n,), generator=g).tolist())) for n in lengths]
+        t0 = time.perf_counter()
+        engine.generate(prompts, Sampling(n=8, temperature=1.0, max_tokens=16, seed=r))
+        gen_s += time.perf_counter() - t0
+        engine.update_weights([weights])
+        if r % every == 0:
+            m = libc.mallinfo2()
+            print(json.dumps({"round": r, "rss": psutil.Process().memory_info().rss / 2**20, "in_use": m.uordblks / 2**20,
+                              "free": m.fordblks / 2**20, "generate_s": gen_s / every}), flush=True)
+            gen_s = 0.0
+    engine.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=120)
+    ap.add_argument("--every", type=int, default=20)
+    ap.add_argument("--settings", default="off,on", help="comma-separated, in order: off, on")
+    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        return _child(args.rounds, args.every, CAPACITY[args.child])
+    rows = []
+    for setting in args.settings.split(","):
+        if setting not in CAPACITY:
+            raise SystemExit(f"--settings: {setting!r} is not one of {', '.join(CAPACITY)}")
+        out = subprocess.run([sys.executable, __file__, "--child", setting, "--rounds", str(args.rounds),
+                              "--every", str(args.every)], capture_output=True, text=True, env=dict(os.environ))
+        lines = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
+        if out.returncode != 0 or not lines:
+            raise SystemExit(f"the {setting} run failed:\n{out.stderr[-3000:]}")
+        rows += [(setting, line) for line in lines]
+    print(f"\nOne engine alone, {args.rounds} rounds of 24 prompts x 8 + a weight push; oneDNN's global cache off / on")
+    print("| oneDNN global cache | round | RSS (MB) | glibc in use (MB) | glibc free (MB) | generate (s / round) |")
+    print("|---|---|---|---|---|---|")
+    for setting, r in rows:
+        print(f"| {setting} | {r['round']} | {r['rss']:.1f} | {r['in_use']:.1f} | {r['free']:.1f} | {r['generate_s']:.3f} |")
+    for setting in dict.fromkeys(s for s, _ in rows):
+        mine = [r for s, r in rows if s == setting]
+        print(f"{setting}: in use +{mine[-1]['in_use'] - mine[0]['in_use']:.1f} MB from round {mine[0]['round']} to "
+              f"{mine[-1]['round']}; generate {sum(r['generate_s'] for r in mine) / len(mine):.3f} s a round")
+
+
+if __name__ == "__main__":
+    main()
