@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -81,7 +80,7 @@ def main() -> None:
         if setting not in CAPACITY:
             raise SystemExit(f"--settings: {setting!r} is not one of {', '.join(CAPACITY)}")
         out = subprocess.run([sys.executable, __file__, "--child", setting, "--rounds", str(args.rounds),
-                              "--every", str(args.every)], capture_output=True, text=True, env=dict(os.environ))
+                              "--every", str(args.every)], capture_output=True, text=True)
         lines = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
         if out.returncode != 0 or not lines:
             raise SystemExit(f"the {setting} run failed:\n{out.stderr[-3000:]}")
