@@ -70,9 +70,9 @@ def slope_kb(points: list[tuple[int, float]]) -> float:
 
 def slopes_by(by_step: dict, names: list[str], after: int, every: int) -> list[tuple[str, dict]]:
     """(label, role -> points) to fit: every sample after `after`, and the lowest and the highest
-    sample of each `every`-step window. A role whose RSS swings inside a step (the ranks hand
-    their freed pages back once a step) is caught at random phases; its window floor and peak
-    still each show a trend."""
+    sample of each `every`-step window. A role whose RSS swings inside a step (the engine hands
+    its free heap pages back after each push) is sampled at random phases of it; its window floor
+    and peak still each show a trend."""
     later = sorted((s, r) for s, r in by_step.items() if s > after)
     windows = collections.defaultdict(list)
     for s, r in later:
