@@ -1,7 +1,8 @@
 """Memory over a long run: what the data plane holds, and every process's RSS step by step.
 
     python bench/data_plane_memory.py [--steps 2000] [--every 200] [--after 100] [--plot PATH]
-                                      [--dynamic-sampling] [--save PATH] [key=value ...]
+                                      [--dynamic-sampling] [--save PATH] [--segment 500] [key=value ...]
+    python bench/data_plane_memory.py --samples PATH [--steps N] [--after 100] [--every 200]
 
 Runs the quickstart as a user does (`python -m dapo_megatron.main`; no validation or
 checkpoints; dynamic sampling off unless `--dynamic-sampling`: as the tiny model learns, its
@@ -11,7 +12,10 @@ process tree: the driver, the rollout manager, TransferQueue's controller and st
 engine, the training ranks, Ray's GCS and raylet. Prints, every `--every` steps, the RSS of each
 role and `data_plane/resident_mb` (bytes still stored after the step's clear: 0 when every step's
 rows were cleared), then each role's slope (kB per step, least squares over the steps after
-`--after`): flat within noise means nothing accumulates. `--plot`: RSS against step, as PNG.
+`--after`): flat within noise means nothing accumulates; and the slope of each `--segment` steps
+(a trend keeps its sign from segment to segment). `--plot`: RSS against step, as PNG.
+`--samples`: no run, the slopes of the samples an earlier run saved (`--save`; a long run that
+died still has them).
 """
 from __future__ import annotations
 
@@ -84,6 +88,28 @@ def slopes_by(by_step: dict, names: list[str], after: int, every: int) -> list[t
             (f"lowest of each {every} steps", per_window(min)), (f"highest of each {every} steps", per_window(max))]
 
 
+def segment_slopes(by_step: dict, names: list[str], after: int, segment: int) -> list[tuple[str, dict]]:
+    """(label, role -> slope kB/step) of each `segment` steps after `after`: a trend keeps its sign
+    from segment to segment, a heap's slow swings (fragmentation, filled and emptied) change it."""
+    last = max(by_step)
+    out = []
+    for a in range(after, last, segment):
+        b = min(a + segment, last)
+        points = {n: [(s, r[n]) for s, r in by_step.items() if a < s <= b and n in r] for n in names}
+        out.append((f"steps {a + 1}-{b}", {n: slope_kb(p) for n, p in points.items()}))
+    return out
+
+
+def print_slopes(by_step: dict, after: int, every: int, segment: int) -> None:
+    names = [n for n in ROLES.values() if any(n in r for r in by_step.values())]
+    print(f"\nslope after step {after} (kB per step; target < 1)")
+    print("| samples | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 1))
+    for label, points in slopes_by(by_step, names, after, every):
+        print(f"| {label} | " + " | ".join(f"{slope_kb(points[n]):.2f}" for n in names) + " |")
+    for label, slopes in segment_slopes(by_step, names, after, segment):
+        print(f"| {label} | " + " | ".join(f"{slopes[n]:.2f}" for n in names) + " |")
+
+
 def plot(by_step: dict, path: str, steps: int) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -111,8 +137,14 @@ def main() -> None:
     p.add_argument("--plot", default="", help="write RSS against step to this PNG")
     p.add_argument("--dynamic-sampling", action="store_true", help="keep algorithm.filter_groups on")
     p.add_argument("--save", default="", help="write the samples (step -> RSS MB by role) here as they come")
+    p.add_argument("--segment", type=int, default=500, help="also the slope of each this many steps after --after")
+    p.add_argument("--samples", default="", help="no run: the slopes of samples a run wrote with --save")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
+    if args.samples:
+        with open(args.samples) as f:
+            by_step = {int(s): r for s, r in json.load(f).items()}
+        return print_slopes({s: r for s, r in by_step.items() if s < args.steps}, args.after, args.every, args.segment)
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
                f"trainer.total_training_steps={args.steps}", "trainer.save_freq=0", "trainer.test_freq=0",
@@ -143,10 +175,7 @@ def main() -> None:
     times = sorted(r["timing/step"] for r in rows if r["step"] > args.after)
     if times:
         print(f"\nmedian step after step {args.after}: {times[len(times) // 2]:.3f} s")
-    print(f"\nslope after step {args.after} (kB per step; target < 1)")
-    print("| samples | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 1))
-    for label, points in slopes_by(by_step, names, args.after, args.every):
-        print(f"| {label} | " + " | ".join(f"{slope_kb(points[n]):.2f}" for n in names) + " |")
+    print_slopes(by_step, args.after, args.every, args.segment)
     if args.plot:
         plot(by_step, args.plot, args.steps)
         print(f"\nplot: {args.plot}")

@@ -1,6 +1,6 @@
 """A rollout engine's heap over many rounds: oneDNN's global kernel cache, glibc's free pages.
 
-    python bench/engine_memory.py [--rounds 120] [--every 20] [--settings default,keep-pages,onednn-cache]
+    python bench/engine_memory.py [--rounds 120] [--every 20] [--settings default,keep-pages,onednn-cache,mmap-1m]
 
 One quickstart-sized vLLM-CPU engine, in-process, alone: each round generates 24 prompts of
 20-64 random tokens x n=8 (16 tokens each) and then pushes the same weights back, as a step
@@ -9,22 +9,31 @@ handlers keep 32 a layer, and oneDNN's own global cache up to 1024 more. The CPU
 that global cache off (`ONEDNN_PRIMITIVE_CACHE_CAPACITY=0`), and the engine hands glibc's free
 heap pages back after every weight update (`Device.release_host_memory`): `default`.
 `keep-pages` skips the hand-back; `onednn-cache` skips it too and restores oneDNN's default
-cache (1024), i.e. the engine before either. Each setting runs in a fresh process, one after the
-other; prints RSS, glibc's in-use / free bytes (mallinfo2), the mean generate time and the
-hand-back's time of each `--every` rounds.
+cache (1024), i.e. the engine before either. `mmap-1m` is `default` with glibc's thresholds fixed
+in the child's environment (every block of 1 MB or more that the heap's free space cannot serve
+gets its own mapping, returned on free; the heap's top trimmed only by the hand-back): a flatter
+free heap, tried and left out (README, Known limits). Each setting runs in a fresh process, one
+after the other; prints RSS, glibc's in-use / free bytes (mallinfo2), the mean generate time and
+the hand-back's time of each `--every` rounds. glibc's in-use bytes at a round's end include the
+round's last finished requests (up to ~90 here, ~10 kB each with their generators), which vLLM
+frees at its next step: they move it by ~1 MB from round to round without a trend.
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 
-# setting -> (ONEDNN_PRIMITIVE_CACHE_CAPACITY, free heap pages handed back after each update)
-SETTINGS = {"default": ("0", True), "keep-pages": ("0", False), "onednn-cache": ("1024", False)}
+# setting -> (ONEDNN_PRIMITIVE_CACHE_CAPACITY, free heap pages handed back after each update,
+# the child's glibc environment: read once, at its start)
+_FIXED_THRESHOLDS = {"MALLOC_MMAP_THRESHOLD_": str(2**20), "MALLOC_TRIM_THRESHOLD_": str(2**28)}
+SETTINGS = {"default": ("0", True, {}), "keep-pages": ("0", False, {}), "onednn-cache": ("1024", False, {}),
+            "mmap-1m": ("0", True, _FIXED_THRESHOLDS)}
 
 
 class _MallInfo2(ctypes.Structure):
@@ -87,14 +96,15 @@ def main() -> None:
     ap.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return _child(args.rounds, args.every, *SETTINGS[args.child])
+        return _child(args.rounds, args.every, *SETTINGS[args.child][:2])
     rows = []
     order = args.settings.split(",")
     for i, setting in enumerate(order):
         if setting not in SETTINGS:
             raise SystemExit(f"--settings: {setting!r} is not one of {', '.join(SETTINGS)}")
         out = subprocess.run([sys.executable, __file__, "--child", setting, "--rounds", str(args.rounds),
-                              "--every", str(args.every)], capture_output=True, text=True)
+                              "--every", str(args.every)], capture_output=True, text=True,
+                             env={**os.environ, **SETTINGS[setting][2]})
         lines = [json.loads(l) for l in out.stdout.splitlines() if l.startswith("{")]
         if out.returncode != 0 or not lines:
             raise SystemExit(f"the {setting} run failed:\n{out.stderr[-3000:]}")
