@@ -2,7 +2,7 @@
 
     python bench/data_plane_memory.py [--steps 2000] [--every 200] [--after 100] [--plot PATH]
                                       [--dynamic-sampling] [--save PATH] [--segment 500] [key=value ...]
-    python bench/data_plane_memory.py --samples PATH [--steps N] [--after 100] [--every 200]
+    python bench/data_plane_memory.py --samples PATH [--steps N] [--after 100] [--every 200] [--plot PATH]
 
 Runs the quickstart as a user does (`python -m dapo_megatron.main`; no validation or
 checkpoints; dynamic sampling off unless `--dynamic-sampling`: as the tiny model learns, its
@@ -144,7 +144,11 @@ def main() -> None:
     if args.samples:
         with open(args.samples) as f:
             by_step = {int(s): r for s, r in json.load(f).items()}
-        return print_slopes({s: r for s, r in by_step.items() if s < args.steps}, args.after, args.every, args.segment)
+        by_step = {s: r for s, r in by_step.items() if s < args.steps}
+        print_slopes(by_step, args.after, args.every, args.segment)
+        if args.plot:
+            plot(by_step, args.plot, max(by_step))
+        return
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
                f"trainer.total_training_steps={args.steps}", "trainer.save_freq=0", "trainer.test_freq=0",

@@ -17,6 +17,9 @@ after the other; prints RSS, glibc's in-use / free bytes (mallinfo2), the mean g
 the hand-back's time of each `--every` rounds. glibc's in-use bytes at a round's end include the
 round's last finished requests (up to ~90 here, ~10 kB each with their generators), which vLLM
 frees at its next step: they move it by ~1 MB from round to round without a trend.
+What stays allocated after many rounds, by call site: `heaptrack python bench/engine_memory.py
+--child default --rounds 80 --live-at-exit` against the same with `--rounds 20`
+(`heaptrack_print -f ... -d ...`, or `--flamegraph-cost-type leaked -F` of each, compared).
 """
 from __future__ import annotations
 
@@ -41,8 +44,9 @@ class _MallInfo2(ctypes.Structure):
                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def _child(rounds: int, every: int, capacity: str, release: bool) -> None:
-    """Run the engine; one JSON line per `every` rounds."""
+def _child(rounds: int, every: int, capacity: str, release: bool, live_at_exit: bool = False) -> None:
+    """Run the engine; one JSON line per `every` rounds. live_at_exit: end with os._exit right after
+    the last round, freeing nothing, so that a heap profiler's "leaked" is what the rounds left live."""
     import psutil
     import torch
     from safetensors.torch import load_file
@@ -84,6 +88,9 @@ def _child(rounds: int, every: int, capacity: str, release: bool) -> None:
                               "free": m.fordblks / 2**20, "generate_s": gen_s / every,
                               "release_ms": 1e3 * release_s[0] / every}), flush=True)
             gen_s, release_s[0] = 0.0, 0.0
+    if live_at_exit:
+        sys.stdout.flush()
+        os._exit(0)
     engine.shutdown()
 
 
@@ -93,10 +100,14 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=20)
     ap.add_argument("--settings", default=",".join(SETTINGS),
                     help=f"comma-separated runs, in order, each one of: {', '.join(SETTINGS)} (repeats allowed)")
-    ap.add_argument("--child", default="", help=argparse.SUPPRESS)
+    ap.add_argument("--child", default="", help="run this one setting in this process: its JSON lines, no table "
+                    "(mmap-1m's environment is then yours to set)")
+    ap.add_argument("--live-at-exit", action="store_true",
+                    help="with --child: exit right after the last round, freeing nothing (for heaptrack)")
     args = ap.parse_args()
     if args.child:
-        return _child(args.rounds, args.every, *SETTINGS[args.child][:2])
+        capacity, release, _ = SETTINGS[args.child]
+        return _child(args.rounds, args.every, capacity, release, args.live_at_exit)
     rows = []
     order = args.settings.split(",")
     for i, setting in enumerate(order):
