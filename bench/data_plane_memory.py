@@ -13,7 +13,11 @@ engine, the training ranks, Ray's GCS and raylet. Prints, every `--every` steps,
 role and `data_plane/resident_mb` (bytes still stored after the step's clear: 0 when every step's
 rows were cleared), then each role's slope (kB per step, least squares over the steps after
 `--after`): flat within noise means nothing accumulates; and the slope of each `--segment` steps
-(a trend keeps its sign from segment to segment). `--plot`: RSS against step, as PNG.
+(a trend keeps its sign from segment to segment). The same again for the samples taken right
+after each step is logged (every role at the same phase of its step: the engine and the ranks
+swing tens of MB inside one), and their mean by segment with the slope from the first segment's
+mean to the last's (a heap's slow swings tilt a least-squares slope; a trend moves the means).
+`--plot`: RSS against step (those at each step's end), as PNG.
 `--samples`: no run, the slopes of the samples an earlier run saved (`--save`; a long run that
 died still has them).
 """
@@ -26,6 +30,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 import psutil
 
@@ -38,14 +43,37 @@ ROLES = {"driver": "driver", "ray::RolloutManager": "rollout manager", "ray::Tra
 
 
 class RssByStep(TreeSampler):
-    """step -> {role: summed RSS MB}, the last sample taken while that many steps were logged."""
+    """step -> {role: summed RSS MB}. `by_step`: the last sample taken while that many steps were
+    logged, one every `every_s` (any phase of a step: the engine's and the ranks' heaps swing tens
+    of MB inside one). `at_end`: the first sample after step s was logged (within `poll_s`), so
+    every role at the same phase of every step: the engine just past its weight update's heap
+    hand-back and starting the next step's requests, the ranks idle until its batch comes."""
 
-    def __init__(self, root: int, metrics: str, every_s: float = 2.0, save: str = ""):
-        super().__init__(root, every_s)
-        self.metrics, self.by_step, self.save, self.reads = metrics, {}, save, 0
+    def __init__(self, root: int, metrics: str, every_s: float = 2.0, save: str = "", poll_s: float = 0.25):
+        super().__init__(root, poll_s)
+        self.metrics, self.interval_s, self.save, self.reads = metrics, every_s, save, 0
+        self.by_step, self.at_end = {}, {}
+        self.logged, self.offset, self.last = 0, 0, 0.0
+
+    def _logged(self) -> int:
+        """Complete lines of metrics.jsonl, read on from where the last call stopped (it only grows)."""
+        try:
+            with open(self.metrics, "rb") as f:
+                f.seek(self.offset)
+                new = f.read()
+        except FileNotFoundError:
+            return 0
+        complete = new.rfind(b"\n") + 1
+        self.logged += new[:complete].count(b"\n")
+        self.offset += complete
+        return self.logged
 
     def read(self, procs: list[psutil.Process]) -> None:
-        step = sum(1 for _ in open(self.metrics)) if os.path.exists(self.metrics) else 0
+        before = self.logged
+        step, now = self._logged(), time.monotonic()
+        due, ended = now - self.last >= self.interval_s, step != before
+        if not (due or ended):
+            return
         rss = collections.defaultdict(float)
         for p in procs:
             name = ROLES.get(role(p))
@@ -55,11 +83,14 @@ class RssByStep(TreeSampler):
                 rss[name] += p.memory_info().rss / 2**20
             except psutil.Error:
                 pass
-        self.by_step[step] = dict(rss)
+        if due:  # its own clock, so that these stay at random phases of the steps
+            self.by_step[step], self.last = dict(rss), now
+        if ended:
+            self.at_end[step] = dict(rss)
         self.reads += 1
         if self.save and self.reads % 50 == 0:  # what a long run has sampled survives its end
             with open(self.save, "w") as f:
-                json.dump(self.by_step, f)
+                json.dump({"by_step": self.by_step, "at_end": self.at_end}, f)
 
 
 def slope_kb(points: list[tuple[int, float]]) -> float:
@@ -100,7 +131,7 @@ def segment_slopes(by_step: dict, names: list[str], after: int, segment: int) ->
     return out
 
 
-def print_slopes(by_step: dict, after: int, every: int, segment: int) -> None:
+def print_slopes(by_step: dict, at_end: dict, after: int, every: int, segment: int) -> None:
     names = [n for n in ROLES.values() if any(n in r for r in by_step.values())]
     print(f"\nslope after step {after} (kB per step; target < 1)")
     print("| samples | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 1))
@@ -108,9 +139,47 @@ def print_slopes(by_step: dict, after: int, every: int, segment: int) -> None:
         print(f"| {label} | " + " | ".join(f"{slope_kb(points[n]):.2f}" for n in names) + " |")
     for label, slopes in segment_slopes(by_step, names, after, segment):
         print(f"| {label} | " + " | ".join(f"{slopes[n]:.2f}" for n in names) + " |")
+    if not at_end:  # samples saved before the bench took them at each step's end
+        return
+    later = {n: [(s, r[n]) for s, r in sorted(at_end.items()) if s > after and n in r] for n in names}
+    print(f"| at each step's end, {sum(s > after for s in at_end)} steps | "
+          + " | ".join(f"{slope_kb(later[n]):.2f}" for n in names) + " |")
+    for label, slopes in segment_slopes(at_end, names, after, segment):
+        print(f"| at each step's end, {label} | " + " | ".join(f"{slopes[n]:.2f}" for n in names) + " |")
+    # A heap that swings slowly (tens of MB over a hundred steps) tilts a least-squares slope by
+    # about its swing over the window's length; the mean of each segment moves only with a trend.
+    means = segment_means(at_end, names, after, segment)
+    print(f"\nmean RSS (MB) at each step's end, by {segment} steps")
+    print("| steps | " + " | ".join(names) + " |\n|" + "---|" * (len(names) + 1))
+    for (a, b), m in means:
+        print(f"| {a + 1}-{b} | " + " | ".join(f"{m[n]:.1f}" for n in names) + " |")
+    if len(means) > 1:
+        ((a0, b0), first), ((a1, b1), last) = means[0], means[-1]
+        span = (a1 + b1 - a0 - b0) / 2
+        print("| first -> last mean, kB per step | " + " | ".join(
+            f"{(last[n] - first[n]) * 1024 / span:.2f}" for n in names) + " |")
 
 
-def plot(by_step: dict, path: str, steps: int) -> None:
+def segment_means(samples: dict, names: list[str], after: int, segment: int) -> list[tuple[tuple[int, int], dict]]:
+    """((first step, last step), role -> mean MB) of each `segment` steps after `after`."""
+    last = max(samples)
+    out = []
+    for a in range(after, last, segment):
+        b = min(a + segment, last)
+        rows = [r for s, r in samples.items() if a < s <= b]
+        out.append(((a, b), {n: sum(r.get(n, 0.0) for r in rows) / max(len(rows), 1) for n in names}))
+    return out
+
+
+def load_samples(path: str, steps: int) -> tuple[dict, dict]:
+    """(by_step, at_end) of a `--save` file, steps < `steps` (a file from before `at_end` has none)."""
+    with open(path) as f:
+        saved = json.load(f)
+    parts = (saved["by_step"], saved["at_end"]) if "by_step" in saved else (saved, {})
+    return tuple({int(s): r for s, r in part.items() if int(s) < steps} for part in parts)
+
+
+def plot(by_step: dict, path: str, steps: int, when: str = "") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -121,7 +190,7 @@ def plot(by_step: dict, path: str, steps: int) -> None:
             ax.plot(*zip(*points), label=name, linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("RSS (MB)")
-    ax.set_title(f"quickstart, {steps} steps: RSS of each role")
+    ax.set_title(f"quickstart, {steps} steps: RSS of each role{when}")
     ax.legend(fontsize=7, ncol=2)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -142,12 +211,10 @@ def main() -> None:
     p.add_argument("overrides", nargs="*")
     args = p.parse_args()
     if args.samples:
-        with open(args.samples) as f:
-            by_step = {int(s): r for s, r in json.load(f).items()}
-        by_step = {s: r for s, r in by_step.items() if s < args.steps}
-        print_slopes(by_step, args.after, args.every, args.segment)
+        by_step, at_end = load_samples(args.samples, args.steps)
+        print_slopes(by_step, at_end, args.after, args.every, args.segment)
         if args.plot:
-            plot(by_step, args.plot, max(by_step))
+            plot(at_end or by_step, args.plot, max(by_step), ", at each step's end" if at_end else "")
         return
     with tempfile.TemporaryDirectory() as out:
         cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
@@ -166,6 +233,7 @@ def main() -> None:
         rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     # Samples taken once every step was logged see the run shutting down: left out.
     by_step = {s: r for s, r in sampler.by_step.items() if s < args.steps}
+    at_end = {s: r for s, r in sampler.at_end.items() if s < args.steps}
     names = [n for n in ROLES.values() if any(n in r for r in by_step.values())]
     print(f"\nRSS (MB) of each role over {args.steps} quickstart steps")
     head = ("step", "data_plane/resident_mb", *names, "step s")
@@ -173,15 +241,15 @@ def main() -> None:
     for r in rows:
         s = r["step"]
         if s == 1 or s % args.every == 0:  # the sample taken nearest that step (one every 2 s)
-            near = by_step[min(by_step, key=lambda k: abs(k - s))]
+            near = at_end.get(s) or by_step[min(by_step, key=lambda k: abs(k - s))]
             cells = [f"{near.get(n, float('nan')):.1f}" for n in names]
             print(f"| {s} | {r['data_plane/resident_mb']:.3f} | " + " | ".join(cells) + f" | {r['timing/step']:.2f} |")
     times = sorted(r["timing/step"] for r in rows if r["step"] > args.after)
     if times:
         print(f"\nmedian step after step {args.after}: {times[len(times) // 2]:.3f} s")
-    print_slopes(by_step, args.after, args.every, args.segment)
+    print_slopes(by_step, at_end, args.after, args.every, args.segment)
     if args.plot:
-        plot(by_step, args.plot, args.steps)
+        plot(at_end or by_step, args.plot, args.steps, ", at each step's end" if at_end else "")
         print(f"\nplot: {args.plot}")
 
 
