@@ -119,16 +119,19 @@ def slopes_by(by_step: dict, names: list[str], after: int, every: int) -> list[t
             (f"lowest of each {every} steps", per_window(min)), (f"highest of each {every} steps", per_window(max))]
 
 
+def segments(samples: dict, names: list[str], after: int, segment: int):
+    """((first step, last step), role -> [(step, MB)]) of each `segment` steps after `after`."""
+    last = max(samples)
+    for a in range(after, last, segment):
+        b = min(a + segment, last)
+        yield (a, b), {n: [(s, r[n]) for s, r in samples.items() if a < s <= b and n in r] for n in names}
+
+
 def segment_slopes(by_step: dict, names: list[str], after: int, segment: int) -> list[tuple[str, dict]]:
     """(label, role -> slope kB/step) of each `segment` steps after `after`: a trend keeps its sign
     from segment to segment, a heap's slow swings (fragmentation, filled and emptied) change it."""
-    last = max(by_step)
-    out = []
-    for a in range(after, last, segment):
-        b = min(a + segment, last)
-        points = {n: [(s, r[n]) for s, r in by_step.items() if a < s <= b and n in r] for n in names}
-        out.append((f"steps {a + 1}-{b}", {n: slope_kb(p) for n, p in points.items()}))
-    return out
+    return [(f"steps {a + 1}-{b}", {n: slope_kb(p) for n, p in points.items()})
+            for (a, b), points in segments(by_step, names, after, segment)]
 
 
 def print_slopes(by_step: dict, at_end: dict, after: int, every: int, segment: int) -> None:
@@ -162,13 +165,8 @@ def print_slopes(by_step: dict, at_end: dict, after: int, every: int, segment: i
 
 def segment_means(samples: dict, names: list[str], after: int, segment: int) -> list[tuple[tuple[int, int], dict]]:
     """((first step, last step), role -> mean MB) of each `segment` steps after `after`."""
-    last = max(samples)
-    out = []
-    for a in range(after, last, segment):
-        b = min(a + segment, last)
-        rows = [r for s, r in samples.items() if a < s <= b]
-        out.append(((a, b), {n: sum(r.get(n, 0.0) for r in rows) / max(len(rows), 1) for n in names}))
-    return out
+    return [(span, {n: sum(mb for _, mb in p) / max(len(p), 1) for n, p in points.items()})
+            for span, points in segments(samples, names, after, segment)]
 
 
 def load_samples(path: str, steps: int) -> tuple[dict, dict]:
