@@ -144,7 +144,7 @@ def print_slopes(by_step: dict, at_end: dict, after: int, every: int, segment: i
         print(f"| {label} | " + " | ".join(f"{slopes[n]:.2f}" for n in names) + " |")
     if not at_end:  # samples saved before the bench took them at each step's end
         return
-    later = {n: [(s, r[n]) for s, r in sorted(at_end.items()) if s > after and n in r] for n in names}
+    later = slopes_by(at_end, names, after, every)[0][1]  # its "all": every sample after `after`
     print(f"| at each step's end, {sum(s > after for s in at_end)} steps | "
           + " | ".join(f"{slope_kb(later[n]):.2f}" for n in names) + " |")
     for label, slopes in segment_slopes(at_end, names, after, segment):
@@ -238,7 +238,7 @@ def main() -> None:
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         s = r["step"]
-        if s == 1 or s % args.every == 0:  # the sample taken nearest that step (one every 2 s)
+        if s == 1 or s % args.every == 0:  # the sample at that step's end, else the nearest one
             near = at_end.get(s) or by_step[min(by_step, key=lambda k: abs(k - s))]
             cells = [f"{near.get(n, float('nan')):.1f}" for n in names]
             print(f"| {s} | {r['data_plane/resident_mb']:.3f} | " + " | ".join(cells) + f" | {r['timing/step']:.2f} |")
