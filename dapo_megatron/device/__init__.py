@@ -156,6 +156,9 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
 KINDS = tuple(DEVICE_KINDS)
 
 
+_M_ARENA_MAX = -8  # glibc's malloc.h
+
+
 @lru_cache(maxsize=1)
 def _libc() -> ctypes.CDLL:
     return ctypes.CDLL(None)  # the C library the process already links
@@ -261,6 +264,24 @@ class Device:
     def empty_cache(self) -> None:
         if self.is_accelerator:
             self._module().empty_cache()
+
+    @staticmethod
+    def host_env() -> dict[str, str]:
+        """Environment for every process of a run (ranks, engines, the rollout manager, the data
+        plane). One glibc arena per process: with one per thread (up to 8 x cores), each thread's
+        heap kept its own free holes resident and a long run's engine and ranks crept 7-15 kB a
+        step around a flat live heap (#39; README, Known limits). A value the user set wins."""
+        return {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "1")}
+
+    @staticmethod
+    def apply_host_env() -> None:
+        """`host_env()` for this process and every process it starts. glibc reads the variable at
+        its first allocation, long past here: this process takes the limit through mallopt."""
+        env = Device.host_env()
+        os.environ.update(env)
+        mallopt = getattr(_libc(), "mallopt", None)
+        if mallopt is not None:
+            mallopt(_M_ARENA_MAX, int(env["MALLOC_ARENA_MAX"]))
 
     @staticmethod
     def release_host_memory() -> None:

@@ -43,6 +43,7 @@ def init_ray(cfg: DapoConfig) -> None:
     """Join the cluster in RAY_ADDRESS (e.g. under `ray job submit`), else start a local one."""
     if ray.is_initialized():
         return
+    get_device(cfg.trainer.device).apply_host_env()  # the driver, and a local Ray's processes
     address = os.environ.get("RAY_ADDRESS")
     if address:
         ray.init(address=address, log_to_driver=True)
@@ -118,7 +119,9 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
     share = SHARE if colocated else 1.0
     world = devices["actor"]
     run_dir = cfg.trainer.default_local_dir
-    workers = [ray.remote(TrainWorker).options(**_options(device, pg, i, share)).remote(
+    # The host env in the ranks' runtime env too: on a cluster their workers do not inherit ours.
+    ranks = dict(runtime_env={"env_vars": device.host_env()})
+    workers = [ray.remote(TrainWorker).options(**_options(device, pg, i, share), **ranks).remote(
         cfg, model_path, spec, i, world, log_file(run_dir, f"train-rank{i}"), data_plane) for i in range(world)]
     first = 0 if colocated else devices["actor"]
     tp = cfg.rollout.parallel.tp

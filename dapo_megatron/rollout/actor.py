@@ -118,10 +118,12 @@ def engine_actor(spec: EngineSpec, *, device: str = "auto", name: Optional[str] 
     ray_options: the actor's resources and placement (`Device.ray_options`, a scheduling
     strategy). log_path: where the engine's library output goes (None: the console). data_plane:
     a `dataplane.Handle` (calls with a partition then return StoredGroups). The device
-    layer's vLLM environment goes into the actor's runtime env, so it is set before vLLM is imported.
+    layer's host and vLLM environments go into the actor's runtime env, so they are set before
+    the process's first allocation and vLLM's import.
     """
     import ray
-    env = get_device(device).vllm_env(spec.rollout.parallel.tp)
+    dev = get_device(device)
+    env = {**dev.host_env(), **dev.vllm_env(spec.rollout.parallel.tp)}
     options = dict(ray_options, max_concurrency=MAX_CONCURRENCY, runtime_env={"env_vars": env})
     if name is not None:
         options["name"] = name

@@ -114,13 +114,14 @@ def _check_kept(result, plane, partition):
 
 def test_the_engine_process_runs_in_the_device_layers_environment(env):
     """Set before vLLM's import in the engine's own process (runtime env), not the caller's: the
-    oneDNN cache capacity, for one, is read once at the first kernel."""
+    oneDNN cache capacity, for one, is read once at the first kernel, glibc's arena limit at the
+    process's first allocation."""
     import ray
 
     from dapo_megatron.device import get_device
-    want = get_device("cpu").vllm_env(1)
+    want = {**get_device("cpu").host_env(), **get_device("cpu").vllm_env(1)}
     got = ray.get(env[1].__ray_call__.remote(lambda self: {k: os.environ.get(k) for k in want}))
-    assert got == want and want["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
+    assert got == want and want["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0" and want["MALLOC_ARENA_MAX"] == "1"
 
 
 def test_sync_mode_keeps_exactly_train_batch_size(env):

@@ -1,4 +1,8 @@
 """The device layer: per-kind facts and the CPU behaviour the tests rely on."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -121,6 +125,45 @@ def test_cpu_engine_kv_cache_is_what_its_requests_need(tiny_assets):
     user = load_config("quickstart", ["+rollout.engine_kwargs.kv_cache_memory_bytes=123456789"])
     args = EngineSpec.from_model(str(tiny_assets / "qwen3_moe"), user.rollout).engine_args(kv_cache_memory_bytes=1)
     assert args.kv_cache_memory_bytes == 123456789
+
+
+def test_host_env_gives_every_process_one_arena_unless_the_user_chose(monkeypatch):
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    assert Device("cpu").host_env() == {"MALLOC_ARENA_MAX": "1"} == Device("cuda").host_env()
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    assert Device("cpu").host_env()["MALLOC_ARENA_MAX"] == "4"
+
+
+ARENAS = """
+import ctypes, sys, tempfile, threading
+from dapo_megatron.device import Device
+if sys.argv[1] == "apply":
+    Device.apply_host_env()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.fopen.restype = ctypes.c_void_p, ctypes.c_void_p
+libc.malloc_info.argtypes, libc.fclose.argtypes = [ctypes.c_int, ctypes.c_void_p], [ctypes.c_void_p]
+held, go = [], threading.Barrier(4)
+def work():
+    go.wait()
+    held.append(libc.malloc(1000))  # a thread's first malloc takes a new arena while under the limit
+threads = [threading.Thread(target=work) for _ in range(4)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+path = tempfile.mktemp()
+f = libc.fopen(path.encode(), b"w")
+libc.malloc_info(0, f)
+libc.fclose(f)
+print(open(path).read().count("<heap nr="))
+"""
+
+
+def test_apply_host_env_leaves_this_process_one_arena_for_all_its_threads():
+    """glibc read MALLOC_ARENA_MAX long before the driver runs: the limit must reach the running
+    process itself (malloc_info lists one heap per arena)."""
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
+    heaps = {mode: int(subprocess.run([sys.executable, "-c", ARENAS, mode], env=env, check=True,
+                                      capture_output=True, text=True).stdout) for mode in ("apply", "none")}
+    assert heaps == {"apply": 1, "none": 5}, heaps
 
 
 def test_release_host_memory_hands_the_heaps_free_pages_back():
