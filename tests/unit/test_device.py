@@ -163,7 +163,7 @@ def test_apply_host_env_leaves_this_process_one_arena_for_all_its_threads():
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"}
     heaps = {mode: int(subprocess.run([sys.executable, "-c", ARENAS, mode], env=env, check=True,
                                       capture_output=True, text=True).stdout) for mode in ("apply", "none")}
-    assert heaps == {"apply": 1, "none": 5}, heaps
+    assert heaps["apply"] == 1 < heaps["none"], heaps  # without: an arena per thread (5 here)
 
 
 def test_release_host_memory_hands_the_heaps_free_pages_back():
