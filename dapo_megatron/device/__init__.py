@@ -278,6 +278,9 @@ class Device:
         """`host_env()` for this process and every process it starts. glibc reads the variable at
         its first allocation, long past here: this process takes the limit through mallopt."""
         env = Device.host_env()
+        if not env["MALLOC_ARENA_MAX"].isdigit() or env["MALLOC_ARENA_MAX"] == "0":
+            raise ValueError(f"MALLOC_ARENA_MAX={env['MALLOC_ARENA_MAX']!r} in the environment: "
+                             "set it to a whole number of glibc arenas >= 1, or unset it (1)")
         os.environ.update(env)
         mallopt = getattr(_libc(), "mallopt", None)
         if mallopt is not None:

@@ -132,6 +132,9 @@ def test_host_env_gives_every_process_one_arena_unless_the_user_chose(monkeypatc
     assert Device("cpu").host_env() == {"MALLOC_ARENA_MAX": "1"} == Device("cuda").host_env()
     monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
     assert Device("cpu").host_env()["MALLOC_ARENA_MAX"] == "4"
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "one")
+    with pytest.raises(ValueError, match="MALLOC_ARENA_MAX='one'"):
+        Device.apply_host_env()
 
 
 ARENAS = """
