@@ -271,16 +271,17 @@ class Device:
         plane). One glibc arena per process: with one per thread (up to 8 x cores), each thread's
         heap kept its own free holes resident and a long run's engine and ranks crept 7-15 kB a
         step around a flat live heap (#39; README, Known limits). A value the user set wins."""
-        return {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "1")}
+        arenas = os.environ.get("MALLOC_ARENA_MAX", "1")
+        if not arenas.isdigit() or arenas == "0":
+            raise ValueError(f"MALLOC_ARENA_MAX={arenas!r} in the environment: set it to a whole "
+                             "number of glibc arenas >= 1, or unset it (1)")
+        return {"MALLOC_ARENA_MAX": arenas}
 
     @staticmethod
     def apply_host_env() -> None:
         """`host_env()` for this process and every process it starts. glibc reads the variable at
         its first allocation, long past here: this process takes the limit through mallopt."""
         env = Device.host_env()
-        if not env["MALLOC_ARENA_MAX"].isdigit() or env["MALLOC_ARENA_MAX"] == "0":
-            raise ValueError(f"MALLOC_ARENA_MAX={env['MALLOC_ARENA_MAX']!r} in the environment: "
-                             "set it to a whole number of glibc arenas >= 1, or unset it (1)")
         os.environ.update(env)
         mallopt = getattr(_libc(), "mallopt", None)
         if mallopt is not None:
