@@ -9,6 +9,8 @@ reads, every `--every` s, the CPU time of every thread of every process of its t
 middle falls in ("between phases": the driver's own work between them). For steps 3.. it prints,
 per phase and role, the cores used (CPU seconds / wall seconds) and the threads busy (those using
 at least a quarter of a core over an interval, on average), and what the machine leaves idle.
+Before it, the start-up's CPU seconds by role: from the command's start to the end of step 1's
+generation (the engine's own start ends in it), where an end-to-end test spends most of its time.
 """
 from __future__ import annotations
 
@@ -95,6 +97,20 @@ def charge(sampler: Sampler, starts, spans, first_t: float, last_t: float):
     return cpu, wall
 
 
+def print_start_up(sampler: Sampler, ready: float, cores: int) -> None:
+    """CPU seconds by role from the first reading to `ready`, largest first, and the idle share."""
+    t0 = sampler.samples[0][0]
+    cpu, wall = charge(sampler, [t0], [(ready, "start-up")], t0, ready)
+    by = sorted(cpu["start-up"].items(), key=lambda kv: -kv[1][0])
+    used = sum(c for _, (c, _) in by)
+    print(f"\nstart-up (command start -> step 1's batch generated): {wall['start-up']:.1f} s wall, {used:.1f} CPU s "
+          f"on {cores} cores ({max(0.0, 1 - used / (cores * wall['start-up'])):.0%} idle)")
+    print("| role | CPU s |\n|---|---|")
+    for g, (c, _) in by:
+        if c >= 0.05:
+            print(f"| {g} | {c:.1f} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=12)
@@ -105,8 +121,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         sampler = run_sampled(args.config, args.steps, args.overrides, out, lambda pid: Sampler(pid, args.every))
         starts, spans = phase_spans(os.path.join(out, "phases.jsonl"), first_step=3)
-    cpu, wall = charge(sampler, starts, spans, starts[0], spans[-1][0])
+        first = [json.loads(line) for line in open(os.path.join(out, "phases.jsonl"))]
     cores = len(os.sched_getaffinity(0))
+    ready = next(r["end"] for r in first if r["phase"] in ("gen", "trainer_wait"))
+    print_start_up(sampler, ready, cores)
+    cpu, wall = charge(sampler, starts, spans, starts[0], spans[-1][0])
     # roles that never use a tenth of a core in any phase share one column
     peak = collections.defaultdict(float)
     for phase, by in cpu.items():

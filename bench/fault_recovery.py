@@ -40,7 +40,7 @@ def _run(out: str, steps: int, overrides: list[str], env: dict, on_start=None) -
     cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
            f"trainer.total_training_steps={steps}", *BASE, f"trainer.default_local_dir={out}", *overrides]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "RAY_ADDRESS": "", **env})
+                            env={**os.environ, "RAY_ADDRESS": "local", **env})
     if on_start is not None:
         on_start(proc)
     _, err = proc.communicate(timeout=1800)

@@ -106,7 +106,10 @@ def generate(cfg, model: str, out: str, tokenizer, data, engines: int, batch: in
     from dapo_megatron.rollout.engine_spec import EngineSpec
     from dapo_megatron.rollout.types import Sampling
     device = get_device(cfg.trainer.device)
-    ray.init(num_cpus=max(os.cpu_count() or 1, engines), include_dashboard=False, log_to_driver=False)
+    # Its own Ray, even beside a cluster `ray start` left here (which ray.init would otherwise
+    # join, refusing num_cpus): the engines are this command's, on this machine.
+    ray.init(address="local", num_cpus=max(os.cpu_count() or 1, engines), include_dashboard=False,
+             log_to_driver=False)
     spec = EngineSpec.from_model(model, cfg.rollout, dtype=cfg.model.dtype, tokenizer_path=model,
                                  max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
     handles = [engine_actor(spec, device=device.kind, log_path=os.path.join(out, f"engine-{j}.log"),

@@ -1,6 +1,6 @@
 """Per-step metrics: one console line, `metrics.jsonl`, TensorBoard, wandb, and a PNG of the curves.
 
-The driver calls `log(step, metrics)` once per step and `plot()` on save and at the end. Sinks
+The driver calls `log(step, metrics)` once per step, `plot_soon()` on save and `plot()` at the end. Sinks
 are chosen by `trainer.logger`; wandb is used only when asked for AND installed (a missing wandb
 is a warning, not a crash, since it is never required to train).
 """
@@ -10,8 +10,10 @@ import json
 import math
 import os
 import re
+import threading
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping, Sequence
 
 # The console line shows these, in this order, when present.
@@ -55,6 +57,8 @@ class MetricsLogger:
         os.makedirs(out_dir, exist_ok=True)
         self.jsonl_path = os.path.join(out_dir, "metrics.jsonl")
         self._tb = self._wandb = None
+        self._plotter: ThreadPoolExecutor | None = None  # plot_soon's thread, started on first use
+        self._drawing = threading.Lock()  # matplotlib is not thread-safe: one figure at a time
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
@@ -109,16 +113,28 @@ class MetricsLogger:
         with open(self.jsonl_path) as f:
             return [json.loads(line) for line in f if line.strip()]
 
+    def plot_soon(self):
+        """plot() in a thread of its own: a save does not wait for matplotlib (~0.5 s a save here,
+        1 s the first; the driver waits on its roles meanwhile). A failed drawing is a warning:
+        the curves never stop a run. Returns the future (tests wait on it)."""
+        if self._plotter is None:
+            self._plotter = ThreadPoolExecutor(1, thread_name_prefix="curves")
+        future = self._plotter.submit(self.plot)
+        future.add_done_callback(lambda f: f.exception() and warnings.warn(f"curves.png not drawn: {f.exception()!r}"))
+        return future
+
     def plot(self, path: str | None = None) -> str:
         """Write the main curves from metrics.jsonl to a PNG (written atomically); returns its path."""
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        with self._drawing:
+            return self._draw(path or os.path.join(self.out_dir, "curves.png"))
+
+    def _draw(self, path: str) -> str:
+        from matplotlib.figure import Figure  # no pyplot: its global state is not for a second thread
         rows = self.history()
-        path = path or os.path.join(self.out_dir, "curves.png")
         events = os.path.join(self.out_dir, "events.jsonl")
         events = [json.loads(line) for line in open(events)] if os.path.exists(events) else []
-        fig, axes = plt.subplots(1, len(PLOT_PANELS), figsize=(4 * len(PLOT_PANELS), 3.2))
+        fig = Figure(figsize=(4 * len(PLOT_PANELS), 3.2))
+        axes = fig.subplots(1, len(PLOT_PANELS))
         for ax, (title, keys) in zip(axes, PLOT_PANELS.items()):
             for key in keys:
                 points = [(r["step"], r[key]) for r in rows if key in r]
@@ -137,11 +153,12 @@ class MetricsLogger:
         fig.tight_layout()
         tmp = path + ".tmp.png"
         fig.savefig(tmp, dpi=90)
-        plt.close(fig)
         os.replace(tmp, path)
         return path
 
     def close(self) -> None:
+        if self._plotter is not None:
+            self._plotter.shutdown(wait=True)
         if self._tb is not None:
             self._tb.close()
         if self._wandb is not None:

@@ -39,13 +39,33 @@ class Placement:
     start_engine: Callable[[int, int], object]  # (engine index, restart) -> a new engine in its bundle
 
 
+def cluster_address() -> str | None:
+    """The Ray cluster a run joins: RAY_ADDRESS (as `ray job submit` sets it), else the cluster
+    `ray start` left running on this machine (Ray's own record of it, <RAY_TMPDIR or /tmp>/ray/
+    ray_current_cluster, whose GCS must still run here); None: a Ray of the run's own
+    (RAY_ADDRESS=local asks for one). A driver started by hand on a head node, as verl's and
+    slime's guides do, joined nothing before and failed in ray.init."""
+    address = os.environ.get("RAY_ADDRESS", "")
+    if address == "local":
+        return None
+    if address:
+        return address
+    from ray._private.services import find_gcs_addresses
+    from ray._private.utils import read_ray_address
+    started = read_ray_address()
+    return started if started and started in find_gcs_addresses() else None
+
+
 def init_ray(cfg: DapoConfig) -> None:
-    """Join the cluster in RAY_ADDRESS (e.g. under `ray job submit`), else start a local one."""
+    """Join the cluster (`cluster_address`), else start a local one."""
     if ray.is_initialized():
         return
     get_device(cfg.trainer.device).apply_host_env()  # the driver, and a local Ray's processes
-    address = os.environ.get("RAY_ADDRESS")
+    address = cluster_address()
     if address:
+        if not os.environ.get("RAY_ADDRESS"):
+            print(f"ray: joining the cluster at {address} that `ray start` runs on this machine "
+                  f"(RAY_ADDRESS=local: a Ray of this run's own)", flush=True)
         ray.init(address=address, log_to_driver=True)
     else:
         # The data plane's controller and storage units ask a CPU each and mostly wait on ZMQ:

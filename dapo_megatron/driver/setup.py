@@ -221,7 +221,7 @@ def save(run) -> None:
     path = as_role("actor", ctx.train.save, os.path.join(ctx.out_dir, "checkpoints"), run.step, trainer_state(run),
                    run.cfg.trainer.max_checkpoints_to_keep)
     run.checkpoint = path
-    run.logger.plot()
+    run.logger.plot_soon()
     print(f"saved {path}", flush=True)
 
 

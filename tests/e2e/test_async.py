@@ -93,7 +93,7 @@ def async_killed_then_resumed(tiny_assets, tmp_path_factory):
     overrides = _overrides(tiny_assets, out, ASYNC_STEPS, **{"data.gen_batch_size": 6, "actor.ppo_epochs": 2})
     cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart_async", *overrides]
     env = {k: v for k, v in os.environ.items() if k != KILL_AT}
-    env["RAY_ADDRESS"] = ""  # a local Ray of each run's own
+    env["RAY_ADDRESS"] = "local"  # a Ray of each run's own
     killed = subprocess.run(cmd, env={**env, KILL_AT: "update:3"}, capture_output=True, text=True, timeout=600)
     assert killed.returncode == -9, killed.stderr[-3000:]
     rows_killed = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]

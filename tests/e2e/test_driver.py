@@ -15,6 +15,7 @@ import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -110,7 +111,7 @@ def whole(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
     (16384 > 24 responses x ~330 tokens)."""
     out = tmp_path_factory.mktemp("whole") / "run"
     args = _overrides(tiny_assets, out, 2, **long_prompts, **{"rollout.max_num_batched_tokens": 16384})
-    proc = _main(args, {**os.environ, "RAY_ADDRESS": ""})
+    proc = _main(args, {**os.environ, "RAY_ADDRESS": "local"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Finished(out, _rows(out), proc)
 
@@ -364,14 +365,21 @@ def test_sigterm_saves_and_exits_cleanly(chunked):
 
 
 def _job_submit(overrides, env) -> subprocess.CompletedProcess:
-    """The run as a `ray job submit` to a head node of its own (stopped afterwards)."""
+    """The run as a `ray job submit` to a head node of its own (stopped afterwards: only its own
+    processes, not every Ray on the machine as `ray stop` would). The head keeps its files, and
+    its `ray_current_cluster` record, in a temp dir of its own (RAY_TMPDIR): another Ray started
+    meanwhile on this machine does not join it."""
     import secrets
+    import tempfile
 
+    from dapo_megatron.driver.placement import cluster_address
     from dapo_megatron.parallel import free_port
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     gcs, dash, agent = free_port(), free_port(), free_port()
+    tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it
     # Ray 2.60 clusters require a token; give this test cluster its own, through the environment.
-    env = {**env, "RAY_DISABLE_USAGE_STATS": "1", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16)}
+    env = {**env, "RAY_DISABLE_USAGE_STATS": "1", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "RAY_TMPDIR": tmp}
     env.pop("RAY_ADDRESS", None)
     # 5 CPUs: the 2 ranks (sharing them with the engine) + the data plane's controller and units.
     # The job agent on a port of its own: a killed driver's local Ray leaves its agent on the
@@ -382,6 +390,11 @@ def _job_submit(overrides, env) -> subprocess.CompletedProcess:
                    check=True, env=env, capture_output=True, timeout=180)
     address = f"--address=http://127.0.0.1:{dash}"
     try:
+        # A driver started by hand on this head (no RAY_ADDRESS) joins it, as `ray job submit`'s does.
+        with _environ(RAY_TMPDIR=tmp, RAY_ADDRESS=None):
+            assert (cluster_address() or "").endswith(f":{gcs}")  # the IP Ray records is the machine's
+        with _environ(RAY_TMPDIR=tmp, RAY_ADDRESS="local"):
+            assert cluster_address() is None
         job = subprocess.run([ray_cli, "job", "submit", address, "--", *MAIN, *overrides],
                              env=env, capture_output=True, text=True, timeout=600)
         # The CLI follows the job's log over a websocket, which Ray once closed while the job still
@@ -400,7 +413,35 @@ def _job_submit(overrides, env) -> subprocess.CompletedProcess:
                                                    job.stdout + logs.stdout + done, job.stderr)
         return job
     finally:
-        subprocess.run([ray_cli, "stop", "--force"], env=env, capture_output=True, timeout=120)
+        _stop_ray_under(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _environ(**values):
+    """os.environ with `values` set (None: unset) for the block."""
+    before = {k: os.environ.get(k) for k in values}
+    try:
+        for k, v in values.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+        yield
+    finally:
+        for k, v in before.items():
+            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
+
+
+def _stop_ray_under(tmp: str) -> None:
+    """kill -9 the Ray processes whose command line names `tmp` (a head's GCS, raylet, agents and
+    workers), and what they started (a job's driver): `ray stop --force` kills every Ray here."""
+    import psutil
+    procs = [p for p in psutil.process_iter(["cmdline"]) if tmp in " ".join(p.info["cmdline"] or [])]
+    for proc in list(procs):
+        with contextlib.suppress(psutil.Error):
+            procs += proc.children(recursive=True)
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            proc.kill()
+    psutil.wait_procs(procs, timeout=30)
 
 
 @contextlib.contextmanager
@@ -449,7 +490,7 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
                   "rollout.max_engine_restarts": 1}
     overrides = _overrides(tiny_assets, out, 3, **long_prompts, **TP2, **early_stop)
     env = {k: v for k, v in os.environ.items() if k not in (KILL_AT, KILL_ENGINE_AT)}
-    env["RAY_ADDRESS"] = ""  # the killed run starts a local Ray of its own
+    env["RAY_ADDRESS"] = "local"  # the killed run starts a Ray of its own
     # ... its engine also killed -9 mid-generation of step 2 and replaced in the step
     killed = _main(overrides, {**env, KILL_AT: "update:3", KILL_ENGINE_AT: "2"})
     assert killed.returncode == -9, killed.stderr[-3000:]

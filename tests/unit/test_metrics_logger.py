@@ -48,6 +48,24 @@ def test_curves_mark_the_runs_events(tmp_path):
     assert marked != plain and marked[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_save_does_not_wait_for_the_curves(tmp_path, monkeypatch):
+    """plot_soon returns while the figure is drawn in its own thread; close() waits for it, and the
+    end's plot() for the one in flight (one figure at a time); a failed drawing is a warning."""
+    import threading
+    log = MetricsLogger(str(tmp_path), ["jsonl"])
+    log.log(1, {"reward/mean": 0.1})
+    release, draw = threading.Event(), log._draw
+    monkeypatch.setattr(log, "_draw", lambda path: release.wait(30) and draw(path))
+    future = log.plot_soon()
+    assert not future.done() and not (tmp_path / "curves.png").exists()
+    release.set()
+    assert future.result(timeout=60) == str(tmp_path / "curves.png") and (tmp_path / "curves.png").exists()
+    monkeypatch.setattr(log, "_draw", lambda path: 1 / 0)
+    with pytest.warns(UserWarning, match="curves.png not drawn: ZeroDivisionError"):
+        log.plot_soon().exception(timeout=60)
+        log.close()
+
+
 def test_a_resumed_run_keeps_one_row_per_step(tmp_path):
     """Resumed from step 2's checkpoint after steps 3 and 4 were logged (a crash, save_freq 2):
     their rows move to metrics.discarded.jsonl (kept, not lost) and the steps logged again are the

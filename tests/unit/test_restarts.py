@@ -151,3 +151,22 @@ def test_a_role_dead_at_start_up_takes_its_ray_with_it(tmp_path, monkeypatch):
     with pytest.raises(roles.RoleDied):
         loop._run(_cfg(tmp_path, 1))
     assert shutdowns == [1]
+
+
+def test_the_cluster_a_run_joins(tmp_path, monkeypatch):
+    """RAY_ADDRESS wins; `local` and an empty one with no `ray start` record start a Ray of the
+    run's own; a record whose GCS no longer runs here (a head killed without `ray stop`) is not
+    joined. A live head's record is joined: tests/e2e/test_driver.py's `ray start` head."""
+    from dapo_megatron.driver.placement import cluster_address
+    monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    assert cluster_address() == "10.0.0.1:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "local")
+    assert cluster_address() is None
+    monkeypatch.delenv("RAY_ADDRESS")
+    assert cluster_address() is None
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text("127.0.0.1:1\n")  # no GCS listens there
+    assert cluster_address() is None
+    monkeypatch.setattr("ray._private.services.find_gcs_addresses", lambda: {"127.0.0.1:1"})  # as if it ran
+    assert cluster_address() == "127.0.0.1:1"
