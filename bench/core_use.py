@@ -120,10 +120,10 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as out:
         sampler = run_sampled(args.config, args.steps, args.overrides, out, lambda pid: Sampler(pid, args.every))
+        _, every = phase_spans(os.path.join(out, "phases.jsonl"), first_step=1)
         starts, spans = phase_spans(os.path.join(out, "phases.jsonl"), first_step=3)
-        first = [json.loads(line) for line in open(os.path.join(out, "phases.jsonl"))]
     cores = len(os.sched_getaffinity(0))
-    ready = next(r["end"] for r in first if r["phase"] in ("gen", "trainer_wait"))
+    ready = next(end for end, name in every if name in ("gen", "trainer_wait"))  # step 1's batch
     print_start_up(sampler, ready, cores)
     cpu, wall = charge(sampler, starts, spans, starts[0], spans[-1][0])
     # roles that never use a tenth of a core in any phase share one column

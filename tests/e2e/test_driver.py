@@ -391,9 +391,11 @@ def _job_submit(overrides, env) -> subprocess.CompletedProcess:
     address = f"--address=http://127.0.0.1:{dash}"
     try:
         # A driver started by hand on this head (no RAY_ADDRESS) joins it, as `ray job submit`'s does.
-        with _environ(RAY_TMPDIR=tmp, RAY_ADDRESS=None):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RAY_TMPDIR", tmp)
+            mp.delenv("RAY_ADDRESS", raising=False)
             assert (cluster_address() or "").endswith(f":{gcs}")  # the IP Ray records is the machine's
-        with _environ(RAY_TMPDIR=tmp, RAY_ADDRESS="local"):
+            mp.setenv("RAY_ADDRESS", "local")
             assert cluster_address() is None
         job = subprocess.run([ray_cli, "job", "submit", address, "--", *MAIN, *overrides],
                              env=env, capture_output=True, text=True, timeout=600)
@@ -415,19 +417,6 @@ def _job_submit(overrides, env) -> subprocess.CompletedProcess:
     finally:
         _stop_ray_under(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _environ(**values):
-    """os.environ with `values` set (None: unset) for the block."""
-    before = {k: os.environ.get(k) for k in values}
-    try:
-        for k, v in values.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
-        yield
-    finally:
-        for k, v in before.items():
-            os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
 
 
 def _stop_ray_under(tmp: str) -> None:
