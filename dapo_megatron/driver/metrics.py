@@ -59,6 +59,7 @@ class MetricsLogger:
         self._tb = self._wandb = None
         self._plotter: ThreadPoolExecutor | None = None  # plot_soon's thread, started on first use
         self._drawing = threading.Lock()  # matplotlib is not thread-safe: one figure at a time
+        self._drawn: dict[str, tuple] = {}  # path -> the inputs it was last drawn from (_inputs)
         if "tensorboard" in self.loggers:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
@@ -124,9 +125,26 @@ class MetricsLogger:
         return future
 
     def plot(self, path: str | None = None) -> str:
-        """Write the main curves from metrics.jsonl to a PNG (written atomically); returns its path."""
+        """Write the main curves from metrics.jsonl to a PNG (written atomically); returns its path.
+        Not drawn again while metrics.jsonl and events.jsonl are as they were at its last drawing:
+        the end of a run plots what its last save's plot_soon has just drawn (~1.5 s here)."""
+        path = path or os.path.join(self.out_dir, "curves.png")
         with self._drawing:
-            return self._draw(path or os.path.join(self.out_dir, "curves.png"))
+            inputs = self._inputs()
+            if self._drawn.get(path) != inputs or not os.path.exists(path):
+                self._draw(path)
+                self._drawn[path] = inputs
+            return path
+
+    def _inputs(self) -> tuple:
+        """What a drawing reads, as (size, mtime) of each file: it changes when either is written."""
+        def stamp(name):
+            try:
+                st = os.stat(os.path.join(self.out_dir, name))
+            except FileNotFoundError:
+                return None
+            return st.st_size, st.st_mtime_ns
+        return stamp("metrics.jsonl"), stamp("events.jsonl")
 
     def _draw(self, path: str) -> str:
         from matplotlib.figure import Figure  # no pyplot: its global state is not for a second thread

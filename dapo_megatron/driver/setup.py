@@ -246,9 +246,11 @@ def resume(run) -> None:
 
 
 def shutdown(run) -> None:
+    # The roles stop while the last save's curves are drawn; plot() then draws only what that
+    # drawing missed (nothing, at the end of a run).
+    roles.get("rollout manager", run.ctx.manager.shutdown.remote())
     run.logger.plot()
     run.logger.close()
-    roles.get("rollout manager", run.ctx.manager.shutdown.remote())
     ray.kill(run.ctx.manager)  # not in the placement group: removing it would leave the actor
     # Free the run's devices (its actors with them): a later run in the same process (a notebook,
     # a test session) finds Ray still up and would wait forever for a placement group of its own.

@@ -434,20 +434,25 @@ def _stop_ray_under(tmp: str) -> None:
 
 
 @contextlib.contextmanager
-def _kill_first(title: str):
+def _kill_first(title: str, once=lambda: True):
     """kill -9 the first process whose title starts with `title` (a Ray actor running that method,
-    e.g. `ray::TrainWorker.step_update`) and that started after the block did (a killed driver's
-    ranks may still be in that method), found while the block runs; yields the pids killed."""
+    e.g. `ray::TrainWorker.step_update`) and that entered it after `once()` first held (checked
+    while the block runs; a process already in the method then is not the one); yields the pids
+    killed."""
     import psutil
-    killed, stop, start = [], threading.Event(), time.time()
+    killed, stop = [], threading.Event()
 
     def watch():
+        while not (stop.is_set() or once()):
+            stop.wait(0.05)
+        already = {p.pid for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith(title)}
         while not stop.is_set():
-            for proc in psutil.process_iter(["cmdline", "create_time"]):
-                if " ".join(proc.info["cmdline"] or []).startswith(title) and proc.info["create_time"] > start:
-                    os.kill(proc.pid, signal.SIGKILL)
-                    killed.append(proc.pid)
-                    return
+            inside = {p.pid for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith(title)}
+            for pid in inside - already:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+                return
+            already &= inside  # one that left the method and enters it again counts
             stop.wait(0.05)
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
@@ -459,42 +464,39 @@ def _kill_first(title: str):
 
 
 def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets, long_prompts, capsys):
-    """The restarts a user makes, on tp2's run (stopped by its dead engine in step 2, step 1
-    saved): resumed in early-stop mode (aborts push prompts back to the stream), its engine killed
-    -9 in step 2's generation and replaced in the step (rollout.max_engine_restarts: the dead
-    engine's prompts generated again), and killed -9 while the ranks update step 3; resumed to the end as multi-node users run it (`ray start
-    --head`, `ray job submit`: the driver finds the cluster through RAY_ADDRESS), where a training
-    rank is killed -9 in its update and the run restarts itself from step 2's checkpoint
+    """The restarts a run makes by itself, on tp2's run (stopped by its dead engine in step 2,
+    step 1 saved), resumed as multi-node users run it (`ray start --head`, `ray job submit`: the
+    driver finds the cluster through RAY_ADDRESS) in early-stop mode (aborts push prompts back to
+    the stream): its engine killed -9 in step 2's generation and replaced in the step
+    (rollout.max_engine_restarts: the dead engine's prompts generated again), then a training rank
+    killed -9 in step 3's update, and the run restarts itself from step 2's checkpoint
     (trainer.max_restarts); then one flipped bit in the newest checkpoint stops the next resume
     with one line naming the file. No step is lost or repeated, and the prompt stream is exactly
     where each crashed step had found it. The data plane needs nothing from the checkpoint: a
-    restarted run regenerates the step."""
+    restarted run regenerates the step. (A driver killed -9 and resumed by hand: test_async.)"""
     import ray
 
-    from dapo_megatron.driver.loop import KILL_AT
     from dapo_megatron.main import main
     from dapo_megatron.rollout.manager import KILL_ENGINE_AT
     out = tp2_killed.out
     early_stop = {"algorithm.filter_groups.mode": "early_stop", "trainer.test_freq": 0, "trainer.max_restarts": 1,
                   "rollout.max_engine_restarts": 1}
     overrides = _overrides(tiny_assets, out, 3, **long_prompts, **TP2, **early_stop)
-    env = {k: v for k, v in os.environ.items() if k not in (KILL_AT, KILL_ENGINE_AT)}
-    env["RAY_ADDRESS"] = "local"  # the killed run starts a Ray of its own
-    # ... its engine also killed -9 mid-generation of step 2 and replaced in the step
-    killed = _main(overrides, {**env, KILL_AT: "update:3", KILL_ENGINE_AT: "2"})
-    assert killed.returncode == -9, killed.stderr[-3000:]
-    assert [r["step"] for r in _rows(out)] == [1, 2]
-    assert re.search(r"step 2: the rollout engine 0 died .*; \d+ prompts in flight generate again; replacing it "
-                     r"\(1 of rollout.max_engine_restarts=1\)", killed.stdout), killed.stdout[-3000:]
-    (engine,) = [json.loads(line) for line in open(out / "events.jsonl")]
-    assert (engine["event"], engine["step"]) == ("engine_restart", 1) and engine["requeued"] > 0, engine
-    with _kill_first("ray::TrainWorker.step_update") as ranks_killed:  # step 3's update, in the job
+    env = {**os.environ, KILL_ENGINE_AT: "2"}  # the head's processes, the job's among them, inherit it
+
+    def step_2_logged() -> bool:  # lines, not rows: a line being written is not JSON yet
+        return (out / "metrics.jsonl").read_text().count("\n") >= 2
+
+    with _kill_first("ray::TrainWorker.step_update", once=step_2_logged) as ranks_killed:  # step 3's update
         job = _job_submit(overrides, env)
     logs = job.stdout + job.stderr
     assert job.returncode == 0 and len(ranks_killed) == 1, logs[-3000:]
     assert "succeeded" in logs and "resumed from" in logs and "step_2" in logs and "step 3:" in logs, logs[-3000:]
+    assert re.search(r"step 2: the rollout engine 0 died .*; \d+ prompts in flight generate again; replacing it "
+                     r"\(1 of rollout.max_engine_restarts=1\)", logs), logs[-3000:]
     assert re.search(r"the training rank \d died: .*: restart 1 of trainer.max_restarts=1, from \S*step_2", logs), logs[-3000:]
-    (event,) = [json.loads(line) for line in open(out / "events.jsonl")][1:]
+    engine, event = [json.loads(line) for line in open(out / "events.jsonl")]
+    assert (engine["event"], engine["step"]) == ("engine_restart", 1) and engine["requeued"] > 0, engine
     assert (event["event"], event["step"], event["checkpoint"]) == ("restart", 2, str(out / "checkpoints" / "step_2"))
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from dapo_megatron.driver.metrics import MetricsLogger
+from dapo_megatron.driver.metrics import MetricsLogger, write_event
 
 
 def test_jsonl_console_tensorboard_and_png(tmp_path, capsys):
@@ -36,7 +36,6 @@ def test_wandb_missing_is_a_warning(tmp_path, monkeypatch):
 
 def test_curves_mark_the_runs_events(tmp_path):
     """A restart (events.jsonl) is a dashed line on every panel of curves.png."""
-    from dapo_megatron.driver.metrics import write_event
     log = MetricsLogger(str(tmp_path), ["jsonl"])
     for step in range(1, 5):
         log.log(step, {"reward/mean": 0.1 * step, "acc/mean": 0.5})
@@ -61,9 +60,31 @@ def test_a_save_does_not_wait_for_the_curves(tmp_path, monkeypatch):
     release.set()
     assert future.result(timeout=60) == str(tmp_path / "curves.png") and (tmp_path / "curves.png").exists()
     monkeypatch.setattr(log, "_draw", lambda path: 1 / 0)
+    log.log(2, {"reward/mean": 0.2})  # something new to draw
     with pytest.warns(UserWarning, match="curves.png not drawn: ZeroDivisionError"):
         log.plot_soon().exception(timeout=60)
         log.close()
+
+
+def test_curves_are_drawn_again_only_when_their_inputs_changed(tmp_path, monkeypatch):
+    """The end of a run plots what its last save has just drawn: not again. A new row, a new
+    event, or a deleted PNG draws it again."""
+    log = MetricsLogger(str(tmp_path), ["jsonl"])
+    drawn, draw = [], log._draw
+    monkeypatch.setattr(log, "_draw", lambda path: drawn.append(path) or draw(path))
+    log.log(1, {"reward/mean": 0.1})
+    log.plot_soon().result(timeout=60)
+    log.plot()
+    assert len(drawn) == 1
+    log.log(2, {"reward/mean": 0.2})
+    log.plot()
+    write_event(str(tmp_path), "restart", step=2)
+    log.plot()
+    (tmp_path / "curves.png").unlink()
+    log.plot()
+    log.plot(str(tmp_path / "other.png"))
+    log.close()
+    assert drawn == [str(tmp_path / "curves.png")] * 4 + [str(tmp_path / "other.png")]
 
 
 def test_a_resumed_run_keeps_one_row_per_step(tmp_path):
