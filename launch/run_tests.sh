@@ -21,6 +21,9 @@ if [ "$fast" = 1 ]; then
 elif [ $# -gt 0 ]; then
   exec "${pytest[@]}" tests/unit "${rest[@]}" "$@"
 fi
+# Bundles both phases use (tests/conftest.py): built once, in the unit phase.
+DAPO_TEST_BUNDLES="$(mktemp -d -t dapo-test-bundles-XXXXXX)"; export DAPO_TEST_BUNDLES
+trap 'rm -rf "$DAPO_TEST_BUNDLES"' EXIT
 status=0
 OMP_NUM_THREADS=1 "${pytest[@]}" -n 2 tests/unit "${select[@]}" "$@" || status=$?
 "${pytest[@]}" "${rest[@]}" "${select[@]}" "$@" || status=$?

@@ -53,14 +53,22 @@ def shape_model(tmp_path_factory):
     return get
 
 
+# A folder the suite's two phases share (launch/run_tests.sh sets it, and removes it after): a
+# bundle that takes a minute to build is built once, by the unit phase's test of it on one of its
+# two workers, instead of in the end-to-end phase, which runs one test at a time.
+SHARED_BUNDLES = "DAPO_TEST_BUNDLES"
+
+
 @pytest.fixture(scope="session")
 def tool_assets(tmp_path_factory) -> Path:
     """The tool task's bundle (tokenizer/, qwen2/, data/), warmed up: the tests need a model that
-    really calls the interpreter (~1 min once per session; the same weights as the demo's bundle,
-    without the manifest's accuracy figures, which no test reads)."""
+    really calls the interpreter (~1 min once per suite; the same weights as the demo's bundle,
+    without the manifest's accuracy figures). In $DAPO_TEST_BUNDLES when set (a bundle built
+    there with other settings is an error, not reused), else in this session's temp dir."""
     from dapo_megatron.assets.build import build_tool_assets
-    out = tmp_path_factory.mktemp("tool-assets") / "tools"
-    return build_tool_assets(out, seed=TEST_ASSETS_SEED, log=lambda _msg: None, accuracy=False)
+    shared = os.environ.get(SHARED_BUNDLES)
+    out = Path(shared) if shared else tmp_path_factory.mktemp("tool-assets")
+    return build_tool_assets(out / "tools", seed=TEST_ASSETS_SEED, log=lambda _msg: None, accuracy=False)
 
 
 @pytest.fixture(scope="session")
