@@ -53,10 +53,16 @@ def shape_model(tmp_path_factory):
     return get
 
 
-# A folder the suite's two phases share (launch/run_tests.sh sets it, and removes it after): a
-# bundle that takes a minute to build is built once, by the unit phase's test of it on one of its
-# two workers, instead of in the end-to-end phase, which runs one test at a time.
+# A folder the suite's two phases share (launch/run_tests.sh sets it, and removes it after): the
+# tool task's bundle (~70 s of one core) is built there once, beside the unit phase, instead of in
+# the end-to-end phase, which runs one test at a time.
 SHARED_BUNDLES = "DAPO_TEST_BUNDLES"
+
+
+def build_tool_bundle(root) -> Path:
+    """The tests' tool bundle in `root`/tools (a file lock: a second caller waits, then finds it)."""
+    from dapo_megatron.assets.build import build_tool_assets
+    return build_tool_assets(Path(root) / "tools", seed=TEST_ASSETS_SEED, log=lambda _msg: None, accuracy=False)
 
 
 @pytest.fixture(scope="session")
@@ -65,10 +71,7 @@ def tool_assets(tmp_path_factory) -> Path:
     really calls the interpreter (~1 min once per suite; the same weights as the demo's bundle,
     without the manifest's accuracy figures). In $DAPO_TEST_BUNDLES when set (a bundle built
     there with other settings is an error, not reused), else in this session's temp dir."""
-    from dapo_megatron.assets.build import build_tool_assets
-    shared = os.environ.get(SHARED_BUNDLES)
-    out = Path(shared) if shared else tmp_path_factory.mktemp("tool-assets")
-    return build_tool_assets(out / "tools", seed=TEST_ASSETS_SEED, log=lambda _msg: None, accuracy=False)
+    return build_tool_bundle(os.environ.get(SHARED_BUNDLES) or tmp_path_factory.mktemp("tool-assets"))
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """The tool task's bundle (assets/tools.py) as the tests and the tool demo get it: warmed up until
 the model calls the interpreter and answers from its output often enough for DAPO's groups to
-mix, and saved as that model. (slow: the real build, ~1 min; the end-to-end phase reuses it.)"""
+mix, and saved as that model. (slow: the real build, ~1 min, which launch/run_tests.sh starts beside
+the unit phase; the end-to-end phase reuses it.)"""
 import json
 
 import pytest
