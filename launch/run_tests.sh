@@ -25,8 +25,8 @@ fi
 # share: one process more on the two cores while the unit tests run, not ~70 s of the end-to-end
 # phase, which runs one test at a time. Its tests wait for it (a file lock).
 DAPO_TEST_BUNDLES="$(mktemp -d -t dapo-test-bundles-XXXXXX)"; export DAPO_TEST_BUNDLES
-trap 'rm -rf "$DAPO_TEST_BUNDLES"' EXIT
 builder=""
+trap '[ -z "$builder" ] || kill "$builder" 2>/dev/null; rm -rf "$DAPO_TEST_BUNDLES"' EXIT
 if [ "$fast" = 0 ]; then
   OMP_NUM_THREADS=1 .venv/bin/python -c 'import sys; from tests.conftest import build_tool_bundle; build_tool_bundle(sys.argv[1])' \
     "$DAPO_TEST_BUNDLES" & builder=$!
@@ -34,6 +34,9 @@ fi
 status=0
 OMP_NUM_THREADS=1 "${pytest[@]}" -n 2 tests/unit "${select[@]}" "$@" || status=$?
 # a failed build is built again, and reported, by the first test that needs it
-[ -z "$builder" ] || wait "$builder" || echo "the tool bundle's build failed; its tests build it again" >&2
+if [ -n "$builder" ]; then
+  wait "$builder" || echo "the tool bundle's build failed; its tests build it again" >&2
+  builder=""
+fi
 "${pytest[@]}" "${rest[@]}" "${select[@]}" "$@" || status=$?
 exit "$status"
