@@ -434,7 +434,7 @@ def _stop_ray_under(tmp: str) -> None:
 
 
 @contextlib.contextmanager
-def _kill_first(title: str, once=lambda: True):
+def _kill_first(title: str, once):
     """kill -9 the first process whose title starts with `title` (a Ray actor running that method,
     e.g. `ray::TrainWorker.step_update`) and that entered it after `once()` first held (checked
     while the block runs; a process already in the method then is not the one); yields the pids
@@ -442,12 +442,15 @@ def _kill_first(title: str, once=lambda: True):
     import psutil
     killed, stop = [], threading.Event()
 
+    def in_method() -> set[int]:
+        return {p.pid for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith(title)}
+
     def watch():
         while not (stop.is_set() or once()):
             stop.wait(0.05)
-        already = {p.pid for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith(title)}
+        already = in_method()
         while not stop.is_set():
-            inside = {p.pid for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith(title)}
+            inside = in_method()
             for pid in inside - already:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
