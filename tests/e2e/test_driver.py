@@ -5,8 +5,8 @@ module starts each run once and several tests assert on it:
   whole:   the quickstart as a user starts it (a process of its own) on ~300-token prompts,
            2 steps, routes replayed, a checkpoint every step
   chunked: the same in this process, prefilling 256 tokens a step (every prompt is chunked)
-  tp2:     the same at TP2, its engine killed once step 1 is saved; the last test restarts it
-           twice (a kill -9 mid-update, then `ray job submit`) and damages its checkpoint
+  tp2:     the same at TP2, its engine killed once step 1 is saved; the last test resumes it
+           under `ray job submit` (its engine, then a rank killed -9) and damages its checkpoint
 The chunked run also takes the SIGTERM a scheduler sends: it saves the step in flight and stops.
 """
 from __future__ import annotations
@@ -434,9 +434,9 @@ def _stop_ray_under(tmp: str) -> None:
 
 
 @contextlib.contextmanager
-def _kill_first(title: str, once):
+def _kill_first(title: str, after):
     """kill -9 the first process whose title starts with `title` (a Ray actor running that method,
-    e.g. `ray::TrainWorker.step_update`) and that entered it after `once()` first held (checked
+    e.g. `ray::TrainWorker.step_update`) and that entered it after `after()` first held (checked
     while the block runs; a process already in the method then is not the one); yields the pids
     killed."""
     import psutil
@@ -446,7 +446,7 @@ def _kill_first(title: str, once):
         return {p.pid for p in psutil.process_iter(["cmdline"]) if " ".join(p.info["cmdline"] or []).startswith(title)}
 
     def watch():
-        while not (stop.is_set() or once()):
+        while not (stop.is_set() or after()):
             stop.wait(0.05)
         already = in_method()
         while not stop.is_set():
@@ -490,7 +490,7 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
     def step_2_logged() -> bool:  # lines, not rows: a line being written is not JSON yet
         return (out / "metrics.jsonl").read_text().count("\n") >= 2
 
-    with _kill_first("ray::TrainWorker.step_update", once=step_2_logged) as ranks_killed:  # step 3's update
+    with _kill_first("ray::TrainWorker.step_update", after=step_2_logged) as ranks_killed:  # step 3's update
         job = _job_submit(overrides, env)
     logs = job.stdout + job.stderr
     assert job.returncode == 0 and len(ranks_killed) == 1, logs[-3000:]
