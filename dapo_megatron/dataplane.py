@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
@@ -86,6 +87,18 @@ def start(cfg) -> Handle:
         simple["total_storage_size"] = cfg.capacity
     tq.init({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": simple}})
     return Handle(cfg.backend)
+
+
+def start_in_background(cfg) -> Future:
+    """`start` in a thread of its own, while the caller goes on with its own start-up: the
+    controller and then the storage units start in processes of their own (~8 s on 2 cores, waited
+    on by TransferQueue's init). TransferQueue is imported first, on the caller's thread: two
+    threads importing the same packages at once can deadlock on Python's import locks."""
+    _transfer_queue()
+    pool = ThreadPoolExecutor(1, thread_name_prefix="data-plane-start")
+    future = pool.submit(start, cfg)
+    pool.shutdown(wait=False)
+    return future
 
 
 def stop() -> None:

@@ -189,8 +189,10 @@ class TrainWorker:
 
     def save(self, root: str, step: int, trainer_state: dict, keep: int) -> str:
         from dapo_megatron.train.checkpoint import save_checkpoint
-        from dapo_megatron.assets import resolve_asset_path
-        tokenizer = resolve_asset_path(self.cfg.model.tokenizer_path) if self.cfg.model.tokenizer_path else None
+        tokenizer = None
+        if self.cfg.model.tokenizer_path:  # (the assets' module imports transformers: only when needed)
+            from dapo_megatron.assets import resolve_asset_path
+            tokenizer = resolve_asset_path(self.cfg.model.tokenizer_path)
         with self.actor.offloader.onloaded():  # colocated: saved between steps, while offloaded
             return save_checkpoint(self.actor, root, step, trainer_state, keep=keep,
                                    hf_files=(self.model_path, tokenizer))

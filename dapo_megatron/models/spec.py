@@ -86,6 +86,15 @@ class ModelSpec:
             mrope_section=tuple((text.get("rope_parameters") or text.get("rope_scaling") or {}).get("mrope_section") or ()),
             image_token_id=top.get("image_token_id"), hf=hf)
 
+    def __getstate__(self) -> dict:
+        # A transformers config pickles by its class: every process a spec is sent to (the
+        # training ranks) would import transformers for it, ~2 s of a core each at every start.
+        # The readers of `hf` take a dict as well.
+        state = dict(self.__dict__)
+        if state["hf"] is not None:
+            state["hf"] = _as_dict(state["hf"])
+        return state
+
     @classmethod
     def from_pretrained(cls, hf_dir: str) -> "ModelSpec":
         """From a checkpoint dir's config.json, through transformers' AutoConfig (which fills the

@@ -79,11 +79,14 @@ class RolloutManager:
                  log_path: Optional[str] = None, start_data_plane: bool = False):
         redirect_output(log_path)
         self.owns_plane = start_data_plane
-        if start_data_plane:
-            dataplane.start(cfg.data_plane)
+        # The tokenizer and the reward pool load while the data plane's processes start: the
+        # manager is the last role ready in a quickstart's start-up (the clients attach lazily).
+        plane_up = dataplane.start_in_background(cfg.data_plane) if start_data_plane else None
         self.reward = RewardWorker(cfg, tokenizer_path, data_plane)
         scorer = RewardScorer(self.reward, cfg.algorithm.filter_groups.metric)
         self._start(cfg, engines, dataplane.connect(data_plane), scorer, train_data, val_data, stop_token_ids)
+        if plane_up is not None:
+            plane_up.result()  # what the start raised, raised here
 
     def _start(self, cfg: DapoConfig, engines: list, plane, scorer, train_data: PromptDataset,
                val_data: Optional[PromptDataset], stop_token_ids: tuple[int, ...]) -> None:
