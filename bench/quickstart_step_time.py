@@ -10,7 +10,8 @@ Checks the baseline commit out into a temporary git worktree (unless `--baseline
 the quickstart (`--steps` steps, no validation, no checkpoints, plus `--ours` overrides) from each
 tree and each `--variant NAME:key=value,...` of this checkout in turn, `--rounds` times, with this
 venv. Prints the median over steps 3.. of each phase (`timing/*`; `reward/time_s` is the scoring
-inside `timing/gen`), what the phases leave of the step, and the driver's CPU.
+inside `timing/gen`), what the phases leave of the step, the driver's CPU, and the command's
+wall time less all its steps (`start+end`: what every end-to-end test pays per run).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 PHASES = ("timing/step", "timing/gen", "timing/trainer_wait", "reward/time_s", "timing/old_logprob", "timing/update",
           "timing/sync_wait", "timing/sync", "driver/cpu_s")
@@ -29,13 +31,22 @@ NAMED = ("timing/gen", "timing/trainer_wait", "timing/old_logprob", "timing/upda
 
 
 def _run(tree: str, out: str, steps: int, overrides: list[str], config: str) -> dict[str, float]:
+    # PYTHONPATH: the tree's package in the driver and in every Ray worker (they inherit the
+    # environment, not the driver's sys.path; the venv's editable install points at this checkout)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)}
+    t0 = time.perf_counter()
     subprocess.run([sys.executable, "-m", "dapo_megatron.main", "--config-name", config,
                     f"trainer.total_training_steps={steps}", "trainer.save_freq=0", "trainer.test_freq=0",
                     "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}",
-                    "trainer.resume_mode=disable", *overrides], cwd=tree, check=True, capture_output=True, timeout=1800)
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][2:]  # warm-up steps
+                    "trainer.resume_mode=disable", *overrides], cwd=tree, env=env, check=True, capture_output=True,
+                   timeout=1800)
+    wall = time.perf_counter() - t0
+    every = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rows = every[2:]  # warm-up steps
     med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in PHASES}  # no old_logprob: on-policy
     med["other"] = statistics.median(r["timing/step"] - sum(r.get(k, 0.0) for k in NAMED) for r in rows)
+    # the command less its steps: start-up (imports, Ray, the roles) and end (save, stop, exit)
+    med["start+end"] = wall - sum(r["timing/step"] for r in every)
     return med
 
 
@@ -69,7 +80,7 @@ def main() -> None:
             if args.baseline != "none":
                 subprocess.run(["git", "worktree", "remove", "--force", base], cwd=here, capture_output=True)
     print(f"\n{args.config} step time, median of steps 3..{args.steps} (s); every run: {' '.join(args.ours) or '-'}")
-    cols = (*PHASES, "other")
+    cols = (*PHASES, "other", "start+end")
     print("| run | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 1))
     for name, med in rows:
         print(f"| {name} | " + " | ".join(f"{med[k]:.3f}" for k in cols) + " |")

@@ -59,7 +59,7 @@ class Handle:
 
 
 def start(cfg) -> Handle:
-    """Start the controller and storage units (once, in the driver, after Ray is up)."""
+    """Start the controller and storage units (once, by the rollout manager, after Ray is up)."""
     import ray
     # TransferQueue's actors wait forever for CPUs the cluster does not have: say so instead.
     free = ray.available_resources().get("CPU", 0)
@@ -129,9 +129,9 @@ class DataPlane:
 
     @property
     def _tq(self):
-        """TransferQueue, attached to the driver's controller on first use, not at construction:
-        the roles are created while the driver still starts the controller and units, so the
-        start-ups overlap (~5 s of a quickstart's start on 2 cores)."""
+        """TransferQueue, attached to the controller on first use, not at construction: the
+        roles are created while the rollout manager still starts the controller and units, so
+        the start-ups overlap (~5 s of a quickstart's start on 2 cores)."""
         if self._client is None:
             self._client = _transfer_queue()
             self._client.init()
