@@ -6,7 +6,8 @@ module starts each run once and several tests assert on it:
            2 steps, routes replayed, a checkpoint every step
   chunked: the same in this process, prefilling 256 tokens a step (every prompt is chunked)
   tp2:     the same at TP2, its engine killed once step 1 is saved; the last test resumes it
-           under `ray job submit` (its engine, then a rank killed -9) and damages its checkpoint
+           under `ray job submit` on two Ray nodes (its engine, then a rank killed -9, then its
+           node lost) and damages its checkpoint
 The chunked run also takes the SIGTERM a scheduler sends: it saves the step in flight and stops.
 """
 from __future__ import annotations
@@ -364,66 +365,88 @@ def test_sigterm_saves_and_exits_cleanly(chunked):
     assert sorted(os.listdir(chunked.out / "checkpoints")) == ["latest", latest]
 
 
-def _job_submit(overrides, env) -> subprocess.CompletedProcess:
-    """The run as a `ray job submit` to a head node of its own (stopped afterwards: only its own
-    processes, not every Ray on the machine as `ray stop` would). The head keeps its files, and
-    its `ray_current_cluster` record, in a temp dir of its own (RAY_TMPDIR): another Ray started
-    meanwhile on this machine does not join it."""
-    import secrets
-    import tempfile
+NODE_CPUS = 5  # the 2 ranks (sharing them with the engine) + the data plane's controller and units
+# A dead node is declared after 3 missed health checks a second apart (Ray's default: 5 x 3 s).
+HEALTH_CHECKS = {"health_check_period_ms": 1000, "health_check_failure_threshold": 3}
 
-    from dapo_megatron.driver.placement import cluster_address
-    from dapo_megatron.parallel import free_port
-    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
-    gcs, dash, agent = free_port(), free_port(), free_port()
-    tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it
-    # Ray 2.60 clusters require a token; give this test cluster its own, through the environment.
-    env = {**env, "RAY_DISABLE_USAGE_STATS": "1", "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
-           "RAY_TMPDIR": tmp}
-    env.pop("RAY_ADDRESS", None)
-    # 5 CPUs: the 2 ranks (sharing them with the engine) + the data plane's controller and units.
-    # The job agent on a port of its own: a killed driver's local Ray leaves its agent on the
-    # default one for a while, and jobs then fail with "No available agent to submit job".
-    subprocess.run([ray_cli, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=5",
-                    "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                    f"--dashboard-agent-listen-port={agent}"],
-                   check=True, env=env, capture_output=True, timeout=180)
-    address = f"--address=http://127.0.0.1:{dash}"
-    try:
-        # A driver started by hand on this head (no RAY_ADDRESS) joins it, as `ray job submit`'s does.
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("RAY_TMPDIR", tmp)
-            mp.delenv("RAY_ADDRESS", raising=False)
-            assert (cluster_address() or "").endswith(f":{gcs}")  # the IP Ray records is the machine's
-            mp.setenv("RAY_ADDRESS", "local")
-            assert cluster_address() is None
-        job = subprocess.run([ray_cli, "job", "submit", address, "--", *MAIN, *overrides],
-                             env=env, capture_output=True, text=True, timeout=600)
+
+class _Cluster:
+    """Two Ray nodes on this machine, started as a multi-node user starts them: `ray start --head`
+    with no CPU (the job's driver and, beside it, the rollout manager) and `ray start --address`
+    with NODE_CPUS (the ranks, the engine, the data plane). Their files and the head's
+    `ray_current_cluster` record live in a temp dir of their own (RAY_TMPDIR): another Ray started
+    meanwhile on this machine does not join it. `stop` kills only their processes, not every Ray
+    on the machine as `ray stop` would."""
+
+    def __init__(self, env):
+        import secrets
+        import tempfile
+
+        from dapo_megatron import dataplane
+        from dapo_megatron.parallel import free_port
+        self.cli = os.path.join(os.path.dirname(sys.executable), "ray")
+        self.tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths live under it
+        # Ray 2.60 clusters require a token; this one gets its own, through the environment.
+        self.env = {**env, **dataplane.process_env(), "RAY_DISABLE_USAGE_STATS": "1", "RAY_AUTH_MODE": "token",
+                    "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_TMPDIR": self.tmp}
+        self.env.pop("RAY_ADDRESS", None)
+        self.gcs, dash, self.node_port = free_port(), free_port(), 0
+        self.address = f"--address=http://127.0.0.1:{dash}"
+        # The job agent on a port of its own: a killed driver's local Ray leaves its agent on the
+        # default one for a while, and jobs then fail with "No available agent to submit job".
+        self._ray("start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.gcs}", "--num-cpus=0",
+                  "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                  f"--dashboard-agent-listen-port={free_port()}", f"--system-config={json.dumps(HEALTH_CHECKS)}")
+        self.add_node()
+
+    def _ray(self, *args, timeout=180, check=True) -> subprocess.CompletedProcess:
+        return subprocess.run([self.cli, *args], env=self.env, capture_output=True, text=True, timeout=timeout,
+                              check=check)
+
+    def add_node(self) -> None:
+        from dapo_megatron.parallel import free_port
+        self.node_port = free_port()  # names the node's raylet among this machine's processes
+        self._ray("start", f"--address=127.0.0.1:{self.gcs}", "--node-ip-address=127.0.0.1", f"--num-cpus={NODE_CPUS}",
+                  f"--node-manager-port={self.node_port}", f"--dashboard-agent-listen-port={free_port()}")
+
+    def kill_node(self) -> None:
+        """kill -9 of the node's raylet and everything it started: its workers and agents."""
+        import psutil
+        flag = f"--node_manager_port={self.node_port}"
+        _kill_trees([p for p in psutil.process_iter(["cmdline"]) if flag in (p.info["cmdline"] or [])])
+
+    def job_logs(self, job_id: str) -> str:
+        logs = self._ray("job", "logs", self.address, job_id, timeout=120, check=False)
+        return logs.stdout + logs.stderr
+
+    def submit(self, overrides, job_id: str) -> subprocess.CompletedProcess:
+        """`ray job submit` of the run, its output followed to its end."""
+        job = self._ray("job", "submit", self.address, f"--submission-id={job_id}", "--", *MAIN, *overrides,
+                        timeout=900, check=False)
         # The CLI follows the job's log over a websocket, which Ray once closed while the job still
         # ran (code 1000, status RUNNING, a slow hour): then wait for the job's end and read its log.
-        running = re.search(r"Status for job '(\S+)': (RUNNING|PENDING)", job.stdout + job.stderr)
-        deadline = time.monotonic() + 600
-        while running and time.monotonic() < deadline:
+        deadline = time.monotonic() + 900
+        while re.search(rf"Status for job '{job_id}': (RUNNING|PENDING)", job.stdout + job.stderr) \
+                and time.monotonic() < deadline:
             time.sleep(5)
-            status = subprocess.run([ray_cli, "job", "status", address, running[1]], env=env, capture_output=True,
-                                    text=True, timeout=120)
-            if not re.search(r"RUNNING|PENDING", status.stdout + status.stderr):
-                logs = subprocess.run([ray_cli, "job", "logs", address, running[1]], env=env, capture_output=True,
-                                      text=True, timeout=120)
-                done = status.stdout + status.stderr
+            status = self._ray("job", "status", self.address, job_id, timeout=120, check=False)
+            done = status.stdout + status.stderr
+            if not re.search(r"RUNNING|PENDING", done):
                 return subprocess.CompletedProcess(job.args, 0 if "succeeded" in done else 1,
-                                                   job.stdout + logs.stdout + done, job.stderr)
+                                                   job.stdout + self.job_logs(job_id) + done, job.stderr)
         return job
-    finally:
-        _stop_ray_under(tmp)
-        shutil.rmtree(tmp, ignore_errors=True)
+
+    def stop(self) -> None:
+        """kill -9 the Ray processes whose command line names the temp dir (GCS, raylets, agents,
+        workers) and what they started (the job's driver)."""
+        import psutil
+        _kill_trees([p for p in psutil.process_iter(["cmdline"]) if self.tmp in " ".join(p.info["cmdline"] or [])])
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _stop_ray_under(tmp: str) -> None:
-    """kill -9 the Ray processes whose command line names `tmp` (a head's GCS, raylet, agents and
-    workers), and what they started (a job's driver): `ray stop --force` kills every Ray here."""
+def _kill_trees(procs) -> None:
+    """kill -9 of `procs` and all their descendants, waited for."""
     import psutil
-    procs = [p for p in psutil.process_iter(["cmdline"]) if tmp in " ".join(p.info["cmdline"] or [])]
     for proc in list(procs):
         with contextlib.suppress(psutil.Error):
             procs += proc.children(recursive=True)
@@ -434,11 +457,11 @@ def _stop_ray_under(tmp: str) -> None:
 
 
 @contextlib.contextmanager
-def _kill_first(title: str, after):
-    """kill -9 the first process whose title starts with `title` (a Ray actor running that method,
-    e.g. `ray::TrainWorker.step_update`) and that entered it after `after()` first held (checked
-    while the block runs; a process already in the method then is not the one); yields the pids
-    killed."""
+def _kill_first(title: str, after, kill=lambda pid: os.kill(pid, signal.SIGKILL)):
+    """`kill` (default: kill -9) the first process whose title starts with `title` (a Ray actor
+    running that method, e.g. `ray::TrainWorker.step_update`) and that entered it after `after()`
+    first held (checked while the block runs; a process already in the method then is not the
+    one); yields the pids killed."""
     import psutil
     killed, stop = [], threading.Event()
 
@@ -452,8 +475,8 @@ def _kill_first(title: str, after):
         while not stop.is_set():
             inside = in_method()
             for pid in inside - already:
-                os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
+                kill(pid)
                 return
             already &= inside  # one that left the method and enters it again counts
             stop.wait(0.05)
@@ -468,62 +491,106 @@ def _kill_first(title: str, after):
 
 def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets, long_prompts, capsys):
     """The restarts a run makes by itself, on tp2's run (stopped by its dead engine in step 2,
-    step 1 saved), resumed as multi-node users run it (`ray start --head`, `ray job submit`: the
-    driver finds the cluster through RAY_ADDRESS) in early-stop mode (aborts push prompts back to
-    the stream): its engine killed -9 in step 2's generation and replaced in the step
-    (rollout.max_engine_restarts: the dead engine's prompts generated again), then a training rank
-    killed -9 in step 3's update, and the run restarts itself from step 2's checkpoint
-    (trainer.max_restarts); then one flipped bit in the newest checkpoint stops the next resume
-    with one line naming the file. No step is lost or repeated, and the prompt stream is exactly
-    where each crashed step had found it. The data plane needs nothing from the checkpoint: a
-    restarted run regenerates the step. (A driver killed -9 and resumed by hand: test_async.)"""
+    step 1 saved), resumed as multi-node users run it (`ray start --head` with no CPU, a node with
+    them joined by `ray start --address`, `ray job submit`: the driver finds the cluster through
+    RAY_ADDRESS) in early-stop mode (aborts push prompts back to the stream): its engine killed -9
+    in step 2's generation and replaced in the step (rollout.max_engine_restarts: the dead
+    engine's prompts generated again); a training rank killed -9 in step 3's update, and the run
+    restarts itself from step 2's checkpoint (trainer.max_restarts); the node killed (its raylet
+    and workers, kill -9) in step 4's update: the run restarts from step 3's, its placement waits
+    with a line on the console, a node with the same CPUs joins, and the run finishes. Then one
+    flipped bit in the newest checkpoint stops the next resume with one line naming the file. No
+    step is lost or repeated, and the prompt stream is exactly where each crashed step had found
+    it. The data plane needs nothing from the checkpoint: a restarted run regenerates the step.
+    (A driver killed -9 and resumed by hand: test_async.)"""
     import ray
 
+    from dapo_megatron.driver.placement import cluster_address
     from dapo_megatron.main import main
     from dapo_megatron.rollout.manager import KILL_ENGINE_AT
     out = tp2_killed.out
-    early_stop = {"algorithm.filter_groups.mode": "early_stop", "trainer.test_freq": 0, "trainer.max_restarts": 1,
-                  "rollout.max_engine_restarts": 1}
-    overrides = _overrides(tiny_assets, out, 3, **long_prompts, **TP2, **early_stop)
-    env = {**os.environ, KILL_ENGINE_AT: "2"}  # the head's processes, the job's among them, inherit it
+    early_stop = {"algorithm.filter_groups.mode": "early_stop", "trainer.test_freq": 0, "trainer.max_restarts": 2,
+                  "rollout.max_engine_restarts": 1, "trainer.placement_timeout_s": 300}
+    overrides = _overrides(tiny_assets, out, 4, **long_prompts, **TP2, **early_stop)
+    job_id = f"crash-chain-{os.getpid()}"
 
-    def step_2_logged() -> bool:  # lines, not rows: a line being written is not JSON yet
-        return (out / "metrics.jsonl").read_text().count("\n") >= 2
+    def logged(steps: int) -> bool:  # lines, not rows: a line being written is not JSON yet
+        return (out / "metrics.jsonl").read_text().count("\n") >= steps
 
-    with _kill_first("ray::TrainWorker.step_update", after=step_2_logged) as ranks_killed:  # step 3's update
-        job = _job_submit(overrides, env)
+    def restarted_and_logged(steps: int) -> bool:
+        return (out / "events.jsonl").exists() and '"restart"' in (out / "events.jsonl").read_text() and logged(steps)
+
+    lost: dict[str, float] = {}
+
+    def lose_node(_pid: int) -> None:
+        """The node killed, the run's wait for its CPUs seen on the console, then a node joins."""
+        cluster.kill_node()
+        lost_at, deadline = time.monotonic(), time.monotonic() + 120
+        while not re.search(r"placement: waiting \d+ s for 2 x CPU \(0 free of 0 on 1 alive node\)",
+                            cluster.job_logs(job_id)) and time.monotonic() < deadline:
+            time.sleep(1)
+        lost["waited"] = time.monotonic() - lost_at
+        cluster.add_node()  # the node comes back (or another takes its place)
+
+    cluster = _Cluster({**os.environ, KILL_ENGINE_AT: "2"})  # the nodes' processes, the job's among them, inherit it
+    try:
+        # A driver started by hand on this head (no RAY_ADDRESS) joins it, as `ray job submit`'s does.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("RAY_TMPDIR", cluster.tmp)
+            mp.delenv("RAY_ADDRESS", raising=False)
+            assert (cluster_address() or "").endswith(f":{cluster.gcs}")  # the IP Ray records is the machine's
+            mp.setenv("RAY_ADDRESS", "local")
+            assert cluster_address() is None
+        with _kill_first("ray::TrainWorker.step_update", after=lambda: logged(2)) as ranks_killed, \
+                _kill_first("ray::TrainWorker.step_update", after=lambda: restarted_and_logged(3),
+                            kill=lose_node) as node_lost:
+            job = cluster.submit(overrides, job_id)
+    finally:
+        cluster.stop()
     logs = job.stdout + job.stderr
-    assert job.returncode == 0 and len(ranks_killed) == 1, logs[-3000:]
-    assert "succeeded" in logs and "resumed from" in logs and "step_2" in logs and "step 3:" in logs, logs[-3000:]
+    (out.parent / "job.log").write_text(logs)
+    assert job.returncode == 0 and len(ranks_killed) == 1 and len(node_lost) == 1, logs[-3000:]
+    assert "succeeded" in logs and "step 4:" in logs, logs[-3000:]
     assert re.search(r"step 2: the rollout engine 0 died .*; \d+ prompts in flight generate again; replacing it "
                      r"\(1 of rollout.max_engine_restarts=1\)", logs), logs[-3000:]
-    assert re.search(r"the training rank \d died: .*: restart 1 of trainer.max_restarts=1, from \S*step_2", logs), logs[-3000:]
-    engine, event = [json.loads(line) for line in open(out / "events.jsonl")]
+    assert re.search(r"the training rank \d died: .*: restart 1 of trainer.max_restarts=2, from \S*step_2", logs), logs[-3000:]
+    # What the driver saw first of the lost node: a training rank's call failing, the rollout
+    # manager's call to a role on it, or its watch finding the node's actors dead (Ray's GCS)
+    # while the manager waited on the lost data plane.
+    assert re.search(r"(the Ray node \w+ died, and with it the |the training rank \d died: |the actor the "
+                     r"rollout manager called died: ).*: restart 2 of trainer.max_restarts=2, from \S*step_3", logs), \
+        logs[-3000:]
+    assert lost["waited"] < 60, logs[-3000:]  # the death is seen, and said, within seconds
+    for step in (2, 3):
+        assert f"resumed from {out / 'checkpoints' / f'step_{step}'} at step {step}" in logs, logs[-3000:]
+    engine, *restarts = [json.loads(line) for line in open(out / "events.jsonl")]
     assert (engine["event"], engine["step"]) == ("engine_restart", 1) and engine["requeued"] > 0, engine
-    assert (event["event"], event["step"], event["checkpoint"]) == ("restart", 2, str(out / "checkpoints" / "step_2"))
+    assert [(e["event"], e["step"], e["checkpoint"]) for e in restarts] == \
+        [("restart", s, str(out / "checkpoints" / f"step_{s}")) for s in (2, 3)], restarts
     rows = _rows(out)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # Each step took exactly the prompts it scored from the stream (aborted ones went back), across
     # the crashes too: nothing a crashed attempt took was lost or served twice.
     for before, row in zip(rows, rows[1:]):
         assert row["data/prompts_consumed"] - before["data/prompts_consumed"] == row["sampling/generated_groups"]
     assert rows[0]["data/prompts_consumed"] == rows[0]["sampling/generated_groups"]
     assert all(r["data_plane/resident_mb"] == 0 for r in rows)
-    # A resumed run syncs the checkpoint's weights into its fresh engine before it generates.
+    # A resumed run syncs the checkpoint's weights into its fresh engine (on the new node too)
+    # before it generates.
     assert all(r["rollout/logprob_diff_max"] < 1e-2 for r in rows)
     assert "sampling/aborted_groups" in rows[2]
-    assert sorted(os.listdir(out / "checkpoints"))[-1] == "step_3"
+    assert sorted(os.listdir(out / "checkpoints"))[-1] == "step_4"
 
-    damaged = sorted((out / "checkpoints" / "step_3").glob("*.distcp"))[0]
+    damaged = sorted((out / "checkpoints" / "step_4").glob("*.distcp"))[0]
     data = bytearray(damaged.read_bytes())
     data[len(data) // 2] ^= 1
     damaged.write_bytes(bytes(data))
     capsys.readouterr()
     try:
-        rc = main(["--config-name", "quickstart", *_overrides(tiny_assets, out, 4, **long_prompts, **TP2, **early_stop)])
+        rc = main(["--config-name", "quickstart", *_overrides(tiny_assets, out, 5, **long_prompts, **TP2, **early_stop)])
     finally:
         ray.shutdown()
     assert rc == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and f"{damaged} is damaged" in err[0] and "trainer.resume_mode" in err[0], err
-    assert [r["step"] for r in _rows(out)] == [1, 2, 3]  # nothing trained on the damaged weights
+    assert [r["step"] for r in _rows(out)] == [1, 2, 3, 4]  # nothing trained on the damaged weights
