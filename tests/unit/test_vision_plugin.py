@@ -67,8 +67,14 @@ def test_vllm_model_inspection_subprocess_runs_the_plugin():
             "print('ok')\n")
     out = _python(code)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
-    disabled = _python(code, VLLM_PLUGINS="none")  # an allow-list naming no installed plugin
-    assert disabled.returncode != 0 and "torchvision" in disabled.stderr
+    # With plugins disabled the same steps (plugins loaded, then the class) fail: run here, not
+    # through the inspection subprocess (one vLLM import fewer, ~10 s).
+    disabled = _python("from vllm.plugins import load_general_plugins\n"
+                       "from vllm.model_executor.models.registry import ModelRegistry\n"
+                       "load_general_plugins()\n"
+                       "ModelRegistry.models['Qwen3VLMoeForConditionalGeneration'].load_model_cls()\n",
+                       VLLM_PLUGINS="none")  # an allow-list naming no installed plugin
+    assert disabled.returncode != 0 and "torchvision" in disabled.stderr, disabled.stderr[-3000:]
 
 
 def test_image_grid_thw_matches_the_processor(tmp_path):
