@@ -394,10 +394,14 @@ class _Cluster:
         self.address = f"--address=http://127.0.0.1:{dash}"
         # The job agent on a port of its own: a killed driver's local Ray leaves its agent on the
         # default one for a while, and jobs then fail with "No available agent to submit job".
-        self._ray("start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.gcs}", "--num-cpus=0",
-                  "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-                  f"--dashboard-agent-listen-port={free_port()}", f"--system-config={json.dumps(HEALTH_CHECKS)}")
-        self.add_node()
+        try:
+            self._ray("start", "--head", "--node-ip-address=127.0.0.1", f"--port={self.gcs}", "--num-cpus=0",
+                      "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+                      f"--dashboard-agent-listen-port={free_port()}", f"--system-config={json.dumps(HEALTH_CHECKS)}")
+            self.add_node()
+        except BaseException:
+            self.stop()  # a head that started stays up otherwise
+            raise
 
     def _ray(self, *args, timeout=180, check=True) -> subprocess.CompletedProcess:
         return subprocess.run([self.cli, *args], env=self.env, capture_output=True, text=True, timeout=timeout,
