@@ -37,6 +37,25 @@ class Placement:
     engines: list
     pg: object
     start_engine: Callable[[int, int], object]  # (engine index, restart) -> a new engine in its bundle
+    engine_names: list[str]  # every engine started, replacements too: `release` waits for them
+
+    def release(self, timeout_s: float = 30.0) -> None:
+        """Kill the engines, remove the placement group (the ranks with it) and wait until Ray has
+        released the engines' names: a later run in this process (a notebook, a test session, on
+        the Ray still up) names its engines the same. Removing the group alone left a named actor,
+        and its name, registered while this driver held its handle (Ray 2.60): the next run
+        failed with ActorAlreadyExistsError."""
+        for engine in self.engines:
+            ray.kill(engine, no_restart=True)
+        ray.util.remove_placement_group(self.pg)
+        deadline = time.monotonic() + timeout_s
+        for name in self.engine_names:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(name)
+                except ValueError:  # no actor of that name (any more)
+                    break
+                time.sleep(0.05)
 
 
 def cluster_address() -> str | None:
@@ -153,7 +172,9 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
         """Engine j in its bundle; a replacement (restart > 0) has a name of its own (its rows'
         keys start with it) and appends to the dead one's log."""
         name = f"{ENGINE_NAME}-{j}" + (f"-restart{restart}" if restart else "")
+        names.append(name)
         return engine_actor(engine_spec, device=device.kind, name=name, log_path=log_file(run_dir, f"engine-{j}"),
                             data_plane=data_plane, **_options(device, pg, first + j * tp, share))
+    names: list[str] = []
     engines = [start_engine(j) for j in range(num_engines(cfg))]
-    return Placement(TrainGroup(workers), engines, pg, start_engine)
+    return Placement(TrainGroup(workers), engines, pg, start_engine, names)

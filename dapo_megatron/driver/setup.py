@@ -254,4 +254,4 @@ def shutdown(run) -> None:
     ray.kill(run.ctx.manager)  # not in the placement group: removing it would leave the actor
     # Free the run's devices (its actors with them): a later run in the same process (a notebook,
     # a test session) finds Ray still up and would wait forever for a placement group of its own.
-    ray.util.remove_placement_group(run.ctx.placement.pg)
+    run.ctx.placement.release()

