@@ -168,6 +168,8 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
                                         max_model_len=max_model_len, tokenizer_path=tokenizer_path,
                                         return_routes=cfg.actor.router_replay == "rollout")
 
+    names: list[str] = []
+
     def start_engine(j: int, restart: int = 0):
         """Engine j in its bundle; a replacement (restart > 0) has a name of its own (its rows'
         keys start with it) and appends to the dead one's log."""
@@ -175,6 +177,5 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
         names.append(name)
         return engine_actor(engine_spec, device=device.kind, name=name, log_path=log_file(run_dir, f"engine-{j}"),
                             data_plane=data_plane, **_options(device, pg, first + j * tp, share))
-    names: list[str] = []
     engines = [start_engine(j) for j in range(num_engines(cfg))]
     return Placement(TrainGroup(workers), engines, pg, start_engine, names)
