@@ -146,14 +146,11 @@ def start(cfg, max_model_len: int = 128):
 
 
 def release(placement) -> None:
-    """Stop the engines and training ranks of `start` and free their placement group."""
+    """Stop the engines of `start` (vLLM's own shutdown first: a TP engine's workers), then end
+    them and the training ranks as a run's end does (`Placement.release`)."""
     import ray
-    for e in placement.engines:
-        ray.get(e.shutdown.remote())
-        ray.kill(e)
-    for w in placement.train.workers:
-        ray.kill(w)
-    ray.util.remove_placement_group(placement.pg)
+    ray.get([e.shutdown.remote() for e in placement.engines])
+    placement.release()
 
 
 def check_sync(hf_dir: str, args) -> dict:

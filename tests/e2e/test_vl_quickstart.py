@@ -1,7 +1,8 @@
 """The VL quickstart end to end (tiny Qwen3-VL-MoE, geo3k-format figures, EP2 actor, one
 vLLM-CPU engine): two steps with dynamic sampling in sync mode and a checkpoint each, then a
-resumed run, in the same process and Ray, that takes a third step in early-stop mode. The random-init model is scored by a
-checksum reward (tests/e2e/parity_reward.py) so that groups are mixed."""
+resumed run, in the same process and Ray, that takes a third step in early-stop mode. The
+random-init model is scored by a checksum reward (tests/e2e/parity_reward.py) so that groups
+are mixed."""
 from __future__ import annotations
 
 import json
