@@ -8,6 +8,7 @@ checkpoints, TP / PP / EP (allgather dispatcher) with sequence parallel.
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 
 import torch
@@ -135,6 +136,28 @@ def _patch_rng() -> None:
     mrandom.CheckpointFunction.backward = staticmethod(backward)
 
 
+def _no_compile(model=None, **options):
+    return model if model is not None else (lambda fn: fn)
+
+
+def import_without_compile() -> None:
+    """Import megatron-core with torch.compile as a no-op decorator (its `jit_fuser` stays one).
+
+    Megatron decorates ~40 functions with `jit_fuser` (torch.compile) at import, and the first
+    decoration imports inductor: ~3 s of CPU in each training rank here (bench/core_use.py's
+    start-up table). On a CPU none of them runs (the model's fusions are off, the rest serve layers
+    we do not build), nor in a conversion on any device (`train._forkserver_preload`). Does
+    nothing where megatron was imported before."""
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+    torch.compile = _no_compile
+    try:
+        import megatron.core  # noqa: F401
+    finally:
+        torch.compile = compile_
+
+
 def install() -> None:
     """Apply the CPU patches to torch.cuda and megatron-core; idempotent.
 
@@ -143,6 +166,7 @@ def install() -> None:
     """
     global _INSTALLED
     if not _INSTALLED:
+        import_without_compile()
         _patch_torch_cuda()
         _patch_rng()
         megatron_local_spec.install()

@@ -1,14 +1,20 @@
 """Imported once by the forkserver of `train.forkserver`, so that every rank forked from it
 starts with these imports done. Nothing here may start a thread or touch a device: the server
 must stay single-threaded for its forks to be safe."""
-import megatron.core.dist_checkpointing  # noqa: F401
-import megatron.core.models.gpt  # noqa: F401
-import megatron.core.parallel_state  # noqa: F401
-from transformers import AutoConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig  # noqa: F401
+from dapo_megatron.device.megatron_cpu import import_without_compile
 
-import dapo_megatron.models.gpt  # noqa: F401
-import dapo_megatron.weights.export  # noqa: F401
-import dapo_megatron.weights.load  # noqa: F401
+# Its forks convert checkpoints (and, in tests, run CPU ranks): no fused function of megatron
+# runs in them on any device, so its torch.compile decorations (inductor's imports) are skipped.
+import_without_compile()
+
+import megatron.core.dist_checkpointing  # noqa: F401,E402
+import megatron.core.models.gpt  # noqa: F401,E402
+import megatron.core.parallel_state  # noqa: F401,E402
+from transformers import AutoConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig  # noqa: F401,E402
+
+import dapo_megatron.models.gpt  # noqa: F401,E402
+import dapo_megatron.weights.export  # noqa: F401,E402
+import dapo_megatron.weights.load  # noqa: F401,E402
 
 # The server exits (SystemExit) when its last client closes; tearing down the modules above
 # then takes ~1.5 s, which every command that waits for its output pipes would pay. The

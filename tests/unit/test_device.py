@@ -189,3 +189,23 @@ def test_release_host_memory_hands_the_heaps_free_pages_back():
     for b in blocks[::16]:
         libc.free(b)
     assert released > 60 * 2**20, f"{released / 2**20:.1f} MB handed back of ~84 MB of holes"
+
+
+EAGER_JIT = """
+import sys, torch
+from dapo_megatron.device import Device
+Device("cpu").setup_megatron()
+from megatron.core.fusions.fused_bias_geglu import geglu
+from megatron.core.jit import jit_fuser
+y = torch.randn(3, 10)
+a, b = y.chunk(2, -1)
+expected = a * 0.5 * (1.0 + torch.tanh(0.79788456 * a * (1 + 0.044715 * a * a))) * b
+print(jit_fuser is not torch.compile, "torch._inductor.compile_fx" in sys.modules, torch.equal(geglu(y), expected))
+"""
+
+
+def test_cpu_megatron_imports_without_compiling_its_fused_functions():
+    """On CPU megatron-core is imported with its jit_fuser a no-op (torch.compile's first use
+    imports inductor, ~1.7 s of CPU a rank): no inductor in the process, the functions plain."""
+    out = subprocess.run([sys.executable, "-c", EAGER_JIT], check=True, capture_output=True, text=True).stdout
+    assert out.split() == ["True", "False", "True"], out
