@@ -144,10 +144,10 @@ def import_without_compile() -> None:
     """Import megatron-core with torch.compile as a no-op decorator (its `jit_fuser` stays one).
 
     Megatron decorates ~40 functions with `jit_fuser` (torch.compile) at import, and the first
-    decoration imports inductor: ~3 s of CPU in each training rank here (bench/core_use.py's
-    start-up table). On a CPU none of them runs (the model's fusions are off, the rest serve layers
-    we do not build), nor in a conversion on any device (`train._forkserver_preload`). Does
-    nothing where megatron was imported before."""
+    decoration imports inductor: ~6 s of CPU for a run's two ranks here (bench/core_use.py). The
+    one our models call, the router's `_apply_expert_bias`, is a no-op without expert bias (Qwen3
+    has none); the others serve fusions and layers we do not use. Does nothing where megatron was
+    imported before."""
     if "megatron.core" in sys.modules:
         return
     compile_ = torch.compile

@@ -3,8 +3,8 @@ starts with these imports done. Nothing here may start a thread or touch a devic
 must stay single-threaded for its forks to be safe."""
 from dapo_megatron.device.megatron_cpu import import_without_compile
 
-# Its forks convert checkpoints (and, in tests, run CPU ranks): no fused function of megatron
-# runs in them on any device, so its torch.compile decorations (inductor's imports) are skipped.
+# Its forks convert checkpoints (and, in tests, run CPU ranks): no compiled function of megatron
+# does work in them on any device, so its torch.compile decorations (inductor's imports) go.
 import_without_compile()
 
 import megatron.core.dist_checkpointing  # noqa: F401,E402
