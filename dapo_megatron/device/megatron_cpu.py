@@ -144,7 +144,7 @@ def import_without_compile() -> None:
     """Import megatron-core with torch.compile as a no-op decorator (its `jit_fuser` stays one).
 
     Megatron decorates ~40 functions with `jit_fuser` (torch.compile) at import, and the first
-    decoration imports inductor: ~6 s of CPU for a run's two ranks here (bench/core_use.py). The
+    decoration imports inductor: 4-6 s of CPU for a run's two ranks here (bench/core_use.py). The
     one our models call, the router's `_apply_expert_bias`, is a no-op without expert bias (Qwen3
     has none); the others serve fusions and layers we do not use. Does nothing where megatron was
     imported before."""
