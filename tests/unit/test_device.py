@@ -206,6 +206,6 @@ print(jit_fuser is not torch.compile, "torch._inductor.compile_fx" in sys.module
 
 def test_cpu_megatron_imports_without_compiling_its_fused_functions():
     """On CPU megatron-core is imported with its jit_fuser a no-op (torch.compile's first use
-    imports inductor, ~1.7 s of CPU a rank): no inductor in the process, the functions plain."""
+    imports inductor, 2-3 s of CPU a rank): no inductor in the process, the functions plain."""
     out = subprocess.run([sys.executable, "-c", EAGER_JIT], check=True, capture_output=True, text=True).stdout
     assert out.split() == ["True", "False", "True"], out
