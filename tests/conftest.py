@@ -59,6 +59,25 @@ def shape_model(tmp_path_factory):
 SHARED_BUNDLES = "DAPO_TEST_BUNDLES"
 
 
+def pytest_collection_modifyitems(config, items):
+    """tests/unit runs on two xdist workers, each taking its share in this order: the slow tests
+    first (longest first: the VL warm-up, ~3 min, started ~2 min in and ran alone at the end while
+    the other worker sat idle for ~100 s), and last the tests that wait for the tool bundle built
+    beside the phase (a worker blocked on its lock does nothing meanwhile). The other phases keep
+    the files' order: their module fixtures (one run, asserted by many tests) hold it together."""
+    unit = [i for i in items if Path(str(i.path)).parent.name == "unit"]
+    if not unit:
+        return
+
+    def rank(item) -> int:
+        if "tool_assets" in item.fixturenames:
+            return 2
+        return 0 if item.get_closest_marker("slow") else 1
+    first = sorted(unit, key=rank)  # stable: the files' order within each rank
+    rest = [i for i in items if Path(str(i.path)).parent.name != "unit"]
+    items[:] = first + rest
+
+
 def build_tool_bundle(root) -> Path:
     """The tests' tool bundle in `root`/tools (a file lock: a second caller waits, then finds it)."""
     from dapo_megatron.assets.build import build_tool_assets
