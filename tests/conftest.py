@@ -61,7 +61,7 @@ SHARED_BUNDLES = "DAPO_TEST_BUNDLES"
 
 def pytest_collection_modifyitems(config, items):
     """tests/unit runs on two xdist workers, each taking its share in this order: the slow tests
-    first (longest first: the VL warm-up, ~3 min, started ~2 min in and ran alone at the end while
+    first (longest first: the VL warm-up, ~3 min, started ~100 s in and ran alone at the end while
     the other worker sat idle for ~100 s), and last the tests that wait for the tool bundle built
     beside the phase (a worker blocked on its lock does nothing meanwhile). The other phases keep
     the files' order: their module fixtures (one run, asserted by many tests) hold it together."""
