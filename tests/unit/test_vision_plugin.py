@@ -53,6 +53,7 @@ def test_entry_point_declared():
     assert module == vision.__name__ and getattr(vision, function) is vision.vllm_plugin
 
 
+@pytest.mark.slow  # 30-40 s (two vLLM imports): handed out first with the other long ones (tests/conftest.py)
 @no_torchvision
 def test_vllm_model_inspection_subprocess_runs_the_plugin():
     """vLLM inspects a model class in a subprocess that only runs `load_general_plugins()`: the
