@@ -424,8 +424,8 @@ class _Cluster:
         return logs.stdout + logs.stderr
 
     def driver_log(self, job_id: str) -> str:
-        """The job's output so far, read from the file Ray writes it to on the head (polling `ray job
-        logs` instead started a Ray CLI process, ~1.5 CPU s, every second of the restart it watched)."""
+        """The job's output so far, read from the file Ray writes it to on the head (what `ray job logs`
+        returns, without starting a Ray CLI process, ~1.5 CPU s, at each poll of the restart it watches)."""
         return "".join(p.read_text(errors="replace")
                        for p in Path(self.tmp).glob(f"ray/session_*/logs/job-driver-{job_id}.log"))
 
