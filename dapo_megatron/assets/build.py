@@ -57,6 +57,7 @@ MODEL_KINDS = ("qwen2", "qwen3_moe")
 MANIFEST = "manifest.json"
 TOOLS_DIR = "tools"  # tiny://tools/...: the tool task's bundle (tool_asset_dir())
 VL_NAMES = ("qwen3_vl_moe", "geo3k")  # tiny://qwen3_vl_moe, tiny://geo3k/...: the VL bundle (vl_asset_dir())
+TEXT_NAMES = ("tokenizer", "data", *MODEL_KINDS)  # the addition bundle's top-level dirs (default_asset_dir())
 
 
 def default_asset_dir() -> Path:
@@ -167,6 +168,9 @@ def resolve_asset_path(path: str) -> str:
     else:
         version, bundle = ASSET_VERSION, "text"
         build = lambda: build_assets(root, log=lambda _msg: None)  # noqa: E731
+        if name.split("/")[0] not in TEXT_NAMES:  # a typo is an error now, not after a first build's minutes
+            raise FileNotFoundError(f"{path}: no tiny asset of that name (tiny:// names: "
+                                    f"{', '.join((*TEXT_NAMES, *VL_NAMES, TOOLS_DIR + '/...'))})")
     manifest = read_manifest(root)
     if manifest is not None and manifest.get("asset_version") != version:
         # kept, not rebuilt: another run may be training from it (rebuilding is asked for, --force)

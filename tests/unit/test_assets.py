@@ -118,8 +118,18 @@ def test_resolve_asset_path(tiny_assets, monkeypatch, tmp_path):
     assert resolve_asset_path("tiny://qwen3_moe") == str(tiny_assets / "qwen3_moe")
     assert resolve_asset_path("tiny://data/train.parquet") == str(tiny_assets / "data" / "train.parquet")
     assert resolve_asset_path("/some/where/model") == "/some/where/model"
-    with pytest.raises(FileNotFoundError, match="tiny://llama.*have:"):
+    with pytest.raises(FileNotFoundError, match="tiny://qwen3_moe/nothing.*have:"):
+        resolve_asset_path("tiny://qwen3_moe/nothing")
+
+
+def test_an_unknown_name_is_refused_before_a_first_build(monkeypatch, tmp_path, capsys):
+    """On a machine that never built the assets, a typo fails at once, naming the valid names;
+    it once built the whole bundle first (1-4 minutes) and only then said the name was not in it."""
+    monkeypatch.setenv("DAPO_MEGATRON_ASSETS", str(tmp_path / "cache"))
+    monkeypatch.setattr(build_mod, "build_assets", lambda *a, **k: pytest.fail("built the bundle for a typo"))
+    with pytest.raises(FileNotFoundError, match="tiny://llama: no tiny asset.*qwen3_moe.*geo3k.*tools/"):
         resolve_asset_path("tiny://llama")
+    assert "first time" not in capsys.readouterr().err and not (tmp_path / "cache").exists()
 
 
 def test_resolve_builds_on_first_use(monkeypatch, tmp_path, capsys):
