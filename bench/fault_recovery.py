@@ -1,13 +1,14 @@
 """Recovery times on the quickstart: a rollout engine and a training rank killed -9 mid-step.
 
-    python bench/fault_recovery.py [--steps 8] [--at 5]
+    python bench/fault_recovery.py [--steps 8] [--at 5] [--kill engine,rank] [--baseline COMMIT]
 
 Two runs of the quickstart as a user starts it (`python -m dapo_megatron.main`, no validation):
   engine: rollout.max_engine_restarts=1, the engine's process killed once it has requests of step
           `--at`'s generation (DAPO_KILL_ENGINE_AT); the step goes on with a replacement.
   rank:   trainer.max_restarts=1 and a checkpoint every 2 steps; training rank 0's process killed
           in step `--at`'s update (found by its process title); the run restarts itself from the
-          newest checkpoint.
+          newest checkpoint (since 2026-11-29 with new training ranks beside the roles it keeps).
+`--baseline COMMIT` runs the same first from that commit (a temporary git worktree).
 For each: the time from the kill to serving again (engine: the replacement holds the weights and
 takes requests; rank: the restarted run's first phase done), to the end of the next finished
 step (its `sync` phase in phases.jsonl), and that less a median step (the time lost, about). Prompts: each step took from
@@ -27,6 +28,7 @@ import threading
 import time
 
 import psutil
+from _trees import checkouts
 
 BASE = ["trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[jsonl]",
         "trainer.resume_mode=disable"]
@@ -36,10 +38,10 @@ def _lines(path: str) -> list[dict]:
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
-def _run(out: str, steps: int, overrides: list[str], env: dict, on_start=None) -> None:
+def _run(tree: str, out: str, steps: int, overrides: list[str], env: dict, on_start=None) -> None:
     cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
            f"trainer.total_training_steps={steps}", *BASE, f"trainer.default_local_dir={out}", *overrides]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tree,
                             env={**os.environ, "RAY_ADDRESS": "local", **env})
     if on_start is not None:
         on_start(proc)
@@ -80,31 +82,44 @@ def _summary(what: str, out: str, kill_at: float, back_at: float) -> dict:
             "median_step": median, "steps": len(steps), "exact": exact}
 
 
+def _engine(tree: str, out: str, args) -> dict:
+    _run(tree, out, args.steps, ["rollout.max_engine_restarts=1"], {"DAPO_KILL_ENGINE_AT": str(args.at)})
+    (event,) = _lines(os.path.join(out, "events.jsonl"))
+    died = event["time"] - event["since_death_s"]  # the manager saw the death (~ms after the kill)
+    return _summary("rollout engine (replaced in the step)", out, died, event["time"])
+
+
+def _rank(tree: str, out: str, args) -> dict:
+    killed: list = []
+    _run(tree, out, args.steps, ["trainer.max_restarts=1", "trainer.save_freq=2"], {},
+         on_start=lambda _: _kill_rank_in_update(out, args.at, killed))
+    (event,) = _lines(os.path.join(out, "events.jsonl"))
+    resumed = min(ph["end"] for ph in _lines(os.path.join(out, "phases.jsonl")) if ph["end"] > event["time"])
+    how = "new ranks, the other roles kept" if event.get("kept") else "every role restarted"
+    return _summary(f"training rank (run restarted from its checkpoint: {how})", out, killed[0], resumed)
+
+
+KILLS = {"engine": _engine, "rank": _rank}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--at", type=int, default=5)
+    p.add_argument("--kill", default="engine,rank", help=f"the roles killed, a run each: {', '.join(KILLS)}")
+    p.add_argument("--baseline", default="none", help="a commit run first, from a git worktree; none: this checkout")
     args = p.parse_args()
     results = []
-    with tempfile.TemporaryDirectory() as root:
-        out = os.path.join(root, "engine")
-        _run(out, args.steps, ["rollout.max_engine_restarts=1"], {"DAPO_KILL_ENGINE_AT": str(args.at)})
-        (event,) = _lines(os.path.join(out, "events.jsonl"))
-        died = event["time"] - event["since_death_s"]  # the manager saw the death (~ms after the kill)
-        results.append(_summary("rollout engine (replaced in the step)", out, died, event["time"]))
-
-        out, killed = os.path.join(root, "rank"), []
-        _run(out, args.steps, ["trainer.max_restarts=1", "trainer.save_freq=2"], {},
-             on_start=lambda _: _kill_rank_in_update(out, args.at, killed))
-        (event,) = _lines(os.path.join(out, "events.jsonl"))
-        resumed = min(ph["end"] for ph in _lines(os.path.join(out, "phases.jsonl")) if ph["end"] > event["time"])
-        results.append(_summary("training rank (run restarted from its checkpoint)", out, killed[0], resumed))
+    with tempfile.TemporaryDirectory() as root, checkouts(args.baseline, root) as trees:
+        for name, tree in trees:
+            for kill in args.kill.split(","):
+                results.append({**KILLS[kill](tree, os.path.join(root, f"{kill}-{len(results)}"), args), "tree": name})
     print(f"\nrecovery on the quickstart, kill -9 in step {args.at} of {args.steps}")
-    head = ("killed", "kill -> serving again s", "kill -> next step done s", "median step s", "lost ~ s",
+    head = ("checkout", "killed", "kill -> serving again s", "kill -> next step done s", "median step s", "lost ~ s",
             "steps logged", "prompts exact")
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in results:  # lost: past what a step takes anyway
-        print(f"| {r['what']} | {r['to_serving']:.1f} | {r['to_step']:.1f} | {r['median_step']:.2f} | "
+        print(f"| {r['tree']} | {r['what']} | {r['to_serving']:.1f} | {r['to_step']:.1f} | {r['median_step']:.2f} | "
               f"{r['to_step'] - r['median_step']:.1f} | {r['steps']} | {r['exact']} |")
 
 

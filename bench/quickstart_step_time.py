@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from _trees import HERE, checkouts
+
 PHASES = ("timing/step", "timing/gen", "timing/trainer_wait", "reward/time_s", "timing/old_logprob", "timing/update",
           "timing/sync_wait", "timing/sync", "driver/cpu_s")
 # what `other` is the rest of (one_step_off: trainer_wait and sync_wait are the generation it waits for)
@@ -59,26 +61,14 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--steps", type=int, default=12)
     args = p.parse_args()
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    runs = [("this checkout", here, [])]
-    for v in args.variant:
-        name, _, overrides = v.partition(":")
-        runs.append((name, here, overrides.split(",")))
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.baseline != "none":
-            base = os.path.join(tmp, "baseline")
-            subprocess.run(["git", "worktree", "add", "-f", base, args.baseline], cwd=here, check=True,
-                           capture_output=True)
-            runs.insert(0, (args.baseline, base, []))
+    with tempfile.TemporaryDirectory() as tmp, checkouts(args.baseline, tmp) as trees:
+        runs = [(name, tree, []) for name, tree in trees]
+        runs += [(name, HERE, overrides.split(",")) for name, _, overrides in (v.partition(":") for v in args.variant)]
         rows = []
-        try:
-            for r in range(args.rounds):
-                for name, tree, overrides in runs:
-                    out = os.path.join(tmp, f"run{r}-{len(rows)}")
-                    rows.append((f"{name}, {r + 1}", _run(tree, out, args.steps, args.ours + overrides, args.config)))
-        finally:
-            if args.baseline != "none":
-                subprocess.run(["git", "worktree", "remove", "--force", base], cwd=here, capture_output=True)
+        for r in range(args.rounds):
+            for name, tree, overrides in runs:
+                out = os.path.join(tmp, f"run{r}-{len(rows)}")
+                rows.append((f"{name}, {r + 1}", _run(tree, out, args.steps, args.ours + overrides, args.config)))
     print(f"\n{args.config} step time, median of steps 3..{args.steps} (s); every run: {' '.join(args.ours) or '-'}")
     cols = (*PHASES, "other", "start+end")
     print("| run | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 1))

@@ -22,6 +22,8 @@ import tempfile
 import threading
 import time
 
+from _trees import checkouts
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -61,22 +63,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--top", type=int, default=4, help="longest tests shown per run")
     args = p.parse_args()
-    here = os.path.dirname(HERE)
-    trees = [("this checkout", here)]
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        if args.baseline != "none":
-            base = os.path.join(tmp, "baseline")
-            subprocess.run(["git", "worktree", "add", "-f", base, args.baseline], cwd=here, check=True,
-                           capture_output=True)
-            trees.insert(0, (args.baseline, base))
-        try:
-            for r in range(args.rounds):
-                for name, tree in trees:
-                    rows.append((f"{name}, {r + 1}", _run(tree, tempfile.mkdtemp(dir=tmp))))
-        finally:
-            if args.baseline != "none":
-                subprocess.run(["git", "worktree", "remove", "--force", base], cwd=here, capture_output=True)
+    with tempfile.TemporaryDirectory() as tmp, checkouts(args.baseline, tmp) as trees:
+        for r in range(args.rounds):
+            for name, tree in trees:
+                rows.append((f"{name}, {r + 1}", _run(tree, tempfile.mkdtemp(dir=tmp))))
     print("\nunit phase (`pytest -n 2 tests/unit`, the tool bundle built beside it), seconds from its start")
     print("| run | phase | workers done at | worker-s idle | bundle built at | longest tests (worker: start -> end) |")
     print("|---|---|---|---|---|---|")

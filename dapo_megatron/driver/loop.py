@@ -26,7 +26,7 @@ from dapo_megatron.config import DapoConfig
 from dapo_megatron.driver import setup
 from dapo_megatron.driver.colocate import TimeShare
 from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, write_event
-from dapo_megatron.driver.recovery import RoleWatch, wait_manager
+from dapo_megatron.driver.recovery import KEPT, Kept, RoleWatch, drop_pending, keep_roles, wait_manager
 from dapo_megatron.logs import LOGS
 
 
@@ -65,6 +65,7 @@ class Run:
     checkpoint: Optional[str] = None  # the newest this run saved or resumed from (a restart's)
     deaths: object = None  # the manager's long poll for dead engines (driver/recovery.py)
     engine_restarts: int = 0
+    syncing: bool = False  # in the weight sync: a rank dying now may leave engines mid-receive
 
     @contextlib.contextmanager
     def timed(self, name: str, what=()):
@@ -116,15 +117,6 @@ def staleness(versions: list[tuple[int, int]], syncs: int, bound: int) -> dict:
             "rollout/partial_frac": sum(a != b for a, b in versions) / len(versions)}
 
 
-def drop_pending(run: Run) -> None:
-    """Batches generated but never trained (the run ended or stopped): their rows go; their
-    prompts are back in the stream of any checkpoint saved since (`setup.trainer_state`)."""
-    while run.pending:
-        step, _ = wait_manager(run, run.pending.popleft().ref)
-        if step is not None:
-            roles.get("rollout manager", run.ctx.manager.release.remote(step.partition))
-
-
 def train_step(run: Run) -> dict:
     """One DAPO step; returns its metrics (empty if dynamic sampling kept nothing). The step's
     rows live in one data-plane partition, cleared when the update consumed them (or failed)."""
@@ -156,9 +148,10 @@ def train_step(run: Run) -> dict:
             for request in run.pending:
                 wait_manager(run, request.ref, get=False)
     with run.timed("sync"):
-        run.syncs += 1
+        run.syncs, run.syncing = run.syncs + 1, True
         metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync,
                                           verify=setup.verify_due(cfg, run.syncs), version=run.syncs))
+        run.syncing = False
     run.share.after_sync(run)
     metrics.update(rollout_metrics, **lp_metrics)
     metrics.update(_batch_metrics(step, metrics, resident))
@@ -183,12 +176,13 @@ def _batch_metrics(step, metrics: dict, resident_bytes: int) -> dict:
 
 def run(cfg: DapoConfig) -> int:
     """The run; when a role dies, restarted in this process from its last checkpoint up to
-    trainer.max_restarts times (Megatron's groups cannot take a new rank in: everything restarts,
-    as a person would, minus the person). Each restart is a line of <run dir>/events.jsonl."""
-    limit, restarts = cfg.trainer.max_restarts, 0
+    trainer.max_restarts times (Megatron's groups cannot take a new rank in: the training ranks
+    all start again; the other roles too, unless `recovery.keep_roles` keeps them). Each restart
+    is a line of <run dir>/events.jsonl."""
+    limit, restarts, kept = cfg.trainer.max_restarts, 0, None
     while True:
         try:
-            return _run(cfg)
+            return _run(cfg, kept, may_keep=restarts < limit)
         except roles.RoleDied as died:
             if restarts == limit and limit:
                 raise roles.RoleDied(died.what, f"trainer.max_restarts={limit}") from None
@@ -196,18 +190,23 @@ def run(cfg: DapoConfig) -> int:
                 raise
             restarts += 1
             what, checkpoint = died.what, getattr(died, "checkpoint", None)
-            print(f"{what}: restart {restarts} of trainer.max_restarts={limit}, from {checkpoint or 'the start'} "
-                  f"(the dead role's output stays in {os.path.join(cfg.trainer.default_local_dir, LOGS)}/)",
+            kept = getattr(died, "kept", None)
+            also = f"; {', '.join(KEPT)} kept" if kept else ""
+            print(f"{what}: restart {restarts} of trainer.max_restarts={limit}, from {checkpoint or 'the start'}"
+                  f"{also} (the dead role's output stays in {os.path.join(cfg.trainer.default_local_dir, LOGS)}/)",
                   flush=True)
             write_event(cfg.trainer.default_local_dir, "restart", what=what, step=getattr(died, "step", 0),
-                        checkpoint=checkpoint, restart=restarts)
+                        checkpoint=checkpoint, restart=restarts, kept=list(KEPT) if kept else [])
             if checkpoint:  # this run's own newest checkpoint, whatever resume_mode found at start
                 cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume_mode=checkpoint))
 
 
-def _run(cfg: DapoConfig) -> int:
+def _run(cfg: DapoConfig, kept: Optional[Kept] = None, may_keep: bool = False) -> int:
+    """One attempt of the run: its roles started (or `kept` from the last attempt, new training
+    ranks among them), then the loop. `may_keep`: a restart is left, so a dead training rank may
+    leave the other roles up for it (`died.kept`); else every role goes with this Ray."""
     try:
-        ctx = setup.prepare(cfg)
+        ctx = setup.restart_training(kept.ctx, cfg) if kept else setup.prepare(cfg)
     except roles.RoleDied:  # a role died starting: its placement group goes with this Ray, or
         ray.shutdown()  # the restart's would wait for devices it still holds
         raise
@@ -215,17 +214,21 @@ def _run(cfg: DapoConfig) -> int:
     logger = MetricsLogger(ctx.out_dir, cfg.trainer.logger, project=cfg.trainer.project_name,
                            experiment=cfg.trainer.experiment_name)
     run_ = Run(cfg, ctx, logger, TimeShare.from_config(cfg, ctx.train, ctx.engines), PhaseLog(ctx.out_dir))
+    if kept:
+        run_.deaths, run_.engine_restarts = kept.deaths, kept.engine_restarts
     signal.signal(signal.SIGTERM, lambda *_: setattr(run_, "stop_requested", True))
     roles.set_watch(RoleWatch(skip_engines=cfg.rollout.max_engine_restarts > 0))
     try:
         return _loop(run_)
     except roles.RoleDied as died:
         # what a restart resumes from; the roles left go with this Ray (a rank whose peer died waits
-        # in a collective until dist_timeout_s: nothing of it can be saved)
+        # in a collective until dist_timeout_s: nothing of it can be saved), or stay for it
         died.checkpoint, died.step = run_.checkpoint, run_.step
         run_.phases.close()
         run_.logger.close()
-        ray.shutdown()
+        died.kept = keep_roles(run_, died) if may_keep else None
+        if died.kept is None:
+            ray.shutdown()
         raise
     finally:
         roles.set_watch(None)

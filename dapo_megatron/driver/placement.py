@@ -37,6 +37,7 @@ class Placement:
     engines: list
     pg: object
     start_engine: Callable[[int, int], object]  # (engine index, restart) -> a new engine in its bundle
+    start_train: Callable[[], TrainGroup]  # new training ranks in the ranks' bundles (not set up)
     engine_names: list[str]  # every engine started, replacements too: `release` waits for them
 
     def release(self, timeout_s: float = 30.0) -> None:
@@ -160,8 +161,10 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
     run_dir = cfg.trainer.default_local_dir
     # The host env in the ranks' runtime env too: on a cluster their workers do not inherit ours.
     ranks = dict(runtime_env={"env_vars": device.host_env()})
-    workers = [ray.remote(TrainWorker).options(**_options(device, pg, i, share), **ranks).remote(
-        cfg, model_path, spec, i, world, log_file(run_dir, f"train-rank{i}"), data_plane) for i in range(world)]
+
+    def start_train() -> TrainGroup:
+        return TrainGroup([ray.remote(TrainWorker).options(**_options(device, pg, i, share), **ranks).remote(
+            cfg, model_path, spec, i, world, log_file(run_dir, f"train-rank{i}"), data_plane) for i in range(world)])
     first = 0 if colocated else devices["actor"]
     tp = cfg.rollout.parallel.tp
     engine_spec = EngineSpec.from_model(model_path, cfg.rollout, model=spec, dtype=cfg.model.dtype,
@@ -178,4 +181,4 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
         return engine_actor(engine_spec, device=device.kind, name=name, log_path=log_file(run_dir, f"engine-{j}"),
                             data_plane=data_plane, **_options(device, pg, first + j * tp, share))
     engines = [start_engine(j) for j in range(num_engines(cfg))]
-    return Placement(TrainGroup(workers), engines, pg, start_engine, names)
+    return Placement(start_train(), engines, pg, start_engine, start_train, names)

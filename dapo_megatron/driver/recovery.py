@@ -8,10 +8,13 @@ into it alone (checksums compared), and hands it to the manager. Ray gives the d
 would bring the engine back with the checkpoint's weights, not the trainer's current ones.
 `RoleWatch` finds the roles that died where no call of the driver would say so (a lost node's data
 plane); trainer.max_restarts then restarts the run, whose placement waits for the node to return.
+A training rank's process that died (not its node) restarts only the training ranks: `keep_roles`.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 import ray
 
@@ -25,6 +28,8 @@ WATCH_GRACE_S = 10.0  # a death the awaited call has not raised by then is the w
 ROLE_NAMES = {"TrainWorker": "training rank", "EngineActor": "rollout engine", "RolloutManager": "rollout manager",
               "TransferQueueController": "data plane's controller", "SimpleStorageUnit": "data plane's storage unit"}
 UNEXPECTED = {"WORKER_DIED", "NODE_DIED"}  # not a ray.kill, an exit or a handle gone out of scope
+KEPT = ("the rollout engines", "the rollout manager", "the data plane")  # what `keep_roles` keeps
+KEEP_CHECK_S = 20.0  # how long the kept roles (and Ray's record of the dead rank) may take to answer
 
 
 def wait_manager(run, ref, get: bool = True):
@@ -106,3 +111,64 @@ def replace(run, death: Death) -> None:
                 step=run.step, seconds=round(seconds, 2), since_death_s=round(time.time() - death.at, 2),
                 requeued=death.in_flight, restart=run.engine_restarts)
     print(f"step {run.step + 1}: rollout engine {i} replaced in {seconds:.1f} s", flush=True)
+
+
+def drop_pending(run) -> None:
+    """Batches generated but never trained (the run ended, stopped or restarts): their rows go;
+    their prompts are back in the stream of any checkpoint saved since (`setup.trainer_state`)."""
+    while run.pending:
+        step, _ = wait_manager(run, run.pending.popleft().ref)
+        if step is not None:
+            roles.get("rollout manager", run.ctx.manager.release.remote(step.partition))
+
+
+@dataclass
+class Kept:
+    """The roles a restart keeps (`ctx`, its training ranks dead or killed), and what the driver
+    held of them: the manager's long poll for dead engines, the engines replaced so far (their
+    names count on)."""
+    ctx: object  # driver/setup.Context
+    deaths: object
+    engine_restarts: int
+
+
+def keep_roles(run, died: roles.RoleDied) -> Optional[Kept]:
+    """After a training rank died: whether the restart needs only new training ranks. An engine
+    of a 30B run takes minutes to start (weights read, graphs captured) and does not depend on
+    the ranks: it, the rollout manager and the data plane stay, and the restart's resume syncs
+    the checkpoint's weights into them. Only when that is safe: the rank's process died (Ray
+    says WORKER_DIED; a lost node takes other roles along), not during the weight sync (an engine
+    may be inside a receive from it), a checkpoint exists (the engines hold later weights than
+    the start), no async partial rollouts in flight, and the others answer. Else None: every
+    role goes with this Ray, as before. Kept, the surviving ranks are killed (they wait in a
+    collective with the dead one until trainer.dist_timeout_s)."""
+    cfg, ctx = run.cfg, run.ctx
+    rank = getattr(died, "rank", None)
+    if rank is None or run.syncing or run.checkpoint is None or (cfg.trainer.mode == "async" and cfg.trainer.partial_rollout):
+        return None
+    if death_reason(rank, KEEP_CHECK_S) != "WORKER_DIED":
+        return None
+    ctx.train.kill()
+    roles.set_watch(RoleWatch(skip_engines=cfg.rollout.max_engine_restarts > 0))  # deaths from now on
+    try:
+        drop_pending(run)  # one_step_off / async: the batches asked ahead (the resume rewinds the stream)
+        ray.get([ctx.manager.state_dict.remote(), *[e.num_in_flight.remote() for e in ctx.engines]],
+                timeout=KEEP_CHECK_S)
+    except (ray.exceptions.RayError, roles.RoleDied) as exc:
+        print(f"the other roles cannot be kept ({str(exc).splitlines()[0]}); all of them start again", flush=True)
+        return None
+    return Kept(ctx, run.deaths, run.engine_restarts)
+
+
+def death_reason(actor, wait_s: float) -> Optional[str]:
+    """Why Ray's GCS says `actor` died (WORKER_DIED: its process; NODE_DIED: its node), once it
+    says so; None if it does not within `wait_s` (a lost node is declared after its health checks)."""
+    from ray._private import state
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        info = state.actors(actor_id=actor._actor_id.hex())
+        if info and info["State"] == "DEAD":
+            context = info["DeathCause"].actor_died_error_context
+            return context.Reason.Name(context.reason)
+        time.sleep(0.2)
+    return None

@@ -123,6 +123,16 @@ def prepare(cfg: DapoConfig) -> Context:
     return Context(cfg, model_path, spec, tokenizer, placement, manager, cfg.trainer.default_local_dir, total)
 
 
+def restart_training(ctx: Context, cfg: DapoConfig) -> Context:
+    """A restart that kept the other roles (driver/recovery.keep_roles): new training ranks in
+    the dead ones' bundles, set up; engines put to sleep by the step wake (a no-op where none
+    sleeps), since the resume syncs the checkpoint's weights into them."""
+    as_role("rollout engine", lambda: ray.get([e.wake.remote() for e in ctx.engines]))
+    ctx.placement.train = ctx.placement.start_train()
+    as_role("actor", ctx.placement.train.setup, ctx.total_steps)
+    return dataclasses.replace(ctx, cfg=cfg)
+
+
 def write_config(cfg: DapoConfig, out_dir: str) -> None:
     """The run's resolved config as <run dir>/config.yaml (written atomically): what the run was;
     `convert mcore-to-hf` names its model.path when a checkpoint lacks its hf/ folder."""

@@ -220,18 +220,32 @@ class TrainGroup:
             try:
                 ray.get(done)
             except ray.exceptions.RayActorError as exc:
-                raise roles.died(f"training rank {calls.index(done[0])}", exc) from None
+                raise self._died(calls.index(done[0]), exc) from None
             except ray.exceptions.RayTaskError as error:
                 late, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S)
                 for ref in late:
                     try:
                         ray.get(ref)
                     except ray.exceptions.RayActorError as exc:
-                        raise roles.died(f"training rank {calls.index(ref)}", exc) from None
+                        raise self._died(calls.index(ref), exc) from None
                     except ray.exceptions.RayTaskError:
                         pass
                 raise error
         return ray.get(calls)
+
+    def _died(self, call: int, exc: Exception) -> roles.RoleDied:
+        """RoleDied naming the rank of call `call`, its actor handle with it (`keep_roles`); the
+        calls after one per rank are the engines' receives of a sync (`push_weights`)."""
+        if call >= len(self.workers):
+            return roles.died("rollout engine", exc)
+        died = roles.died(f"training rank {call}", exc)
+        died.rank = self.workers[call]
+        return died
+
+    def kill(self) -> None:
+        """Every rank's process, at once (a rank whose peer died waits in a collective)."""
+        for worker in self.workers:
+            ray.kill(worker, no_restart=True)
 
     def setup(self, total_steps: int) -> dict:
         master = ray.get(self.workers[0].address.remote())

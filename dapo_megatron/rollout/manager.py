@@ -235,8 +235,12 @@ class RolloutManager:
         return {"prompts": prompts.state_dict(), "dynamic_sampling": self.sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.prompts.load_state_dict(state["prompts"])
-        self.sampler.load_state_dict(state["dynamic_sampling"])
+        """The stream as `state` has it; the states kept for batches collected before it (a
+        restart that kept this manager) no longer apply."""
+        with self.state_lock:
+            self.before.clear()
+            self.prompts.load_state_dict(state["prompts"])
+            self.sampler.load_state_dict(state["dynamic_sampling"])
 
     @ray.method(concurrency_group="control")
     def release(self, partition: str) -> int:

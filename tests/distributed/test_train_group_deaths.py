@@ -57,6 +57,25 @@ def test_a_dead_rank_is_named_while_a_live_one_still_runs(ray_local):
     assert time.perf_counter() - t0 < 20  # not after rank 0's 30 s (Ray's get would wait for it)
 
 
+def test_a_dead_rank_comes_with_its_handle_and_rays_reason(ray_local):
+    """What driver/recovery.keep_roles decides on: the RoleDied carries the dead rank's handle, and
+    Ray's GCS says its process died (WORKER_DIED), not its node; `kill` ends the live ones (as
+    ray.kill: RAY_KILL). A call past the ranks' (an engine's receive in a sync) names the engine."""
+    from dapo_megatron.driver.recovery import death_reason
+    ranks = [ray_local.remote(_stand_in_rank()).options(num_cpus=0).remote() for _ in range(2)]
+    group = TrainGroup(ranks)
+    with pytest.raises(roles.RoleDied) as err:
+        group._all([ranks[0].act.remote("ok", 0.0), ranks[1].act.remote("die", 0.2)])
+    assert err.value.rank is ranks[1]
+    assert death_reason(ranks[1], 20.0) == "WORKER_DIED" and death_reason(ranks[0], 0.5) is None
+    engine = ray_local.remote(_stand_in_rank()).options(num_cpus=0).remote()
+    with pytest.raises(roles.RoleDied, match=r"^the rollout engine died: ") as err:
+        TrainGroup(ranks[:1])._all([ranks[0].act.remote("ok", 0.0), engine.act.remote("die", 0.2)])
+    assert getattr(err.value, "rank", None) is None
+    group.kill()
+    assert death_reason(ranks[0], 20.0) == "RAY_KILL"
+
+
 def test_a_dead_rank_is_named_when_its_peers_error_comes_first(ray_local, monkeypatch):
     monkeypatch.setattr(workers, "DEATH_GRACE_S", 10.0)
     with pytest.raises(roles.RoleDied, match=r"^the training rank 1 died: "):

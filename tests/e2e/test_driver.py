@@ -506,7 +506,8 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
     RAY_ADDRESS) in early-stop mode (aborts push prompts back to the stream): its engine killed -9
     in step 2's generation and replaced in the step (rollout.max_engine_restarts: the dead
     engine's prompts generated again); a training rank killed -9 in step 3's update, and the run
-    restarts itself from step 2's checkpoint (trainer.max_restarts); the node killed (its raylet
+    restarts itself from step 2's checkpoint (trainer.max_restarts) with new training ranks
+    beside the engine, rollout manager and data plane it kept; the node killed (its raylet
     and workers, kill -9) in step 4's update: the run restarts from step 3's, its placement waits
     with a line on the console, a node with the same CPUs joins, and the run finishes. Then one
     flipped bit in the newest checkpoint stops the next resume with one line naming the file. No
@@ -516,6 +517,7 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
     import ray
 
     from dapo_megatron.driver.placement import cluster_address
+    from dapo_megatron.driver.recovery import KEPT
     from dapo_megatron.main import main
     from dapo_megatron.rollout.manager import KILL_ENGINE_AT
     out = tp2_killed.out
@@ -563,7 +565,8 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
     assert "succeeded" in logs and "step 4:" in logs, logs[-3000:]
     assert re.search(r"step 2: the rollout engine 0 died .*; \d+ prompts in flight generate again; replacing it "
                      r"\(1 of rollout.max_engine_restarts=1\)", logs), logs[-3000:]
-    assert re.search(r"the training rank \d died: .*: restart 1 of trainer.max_restarts=2, from \S*step_2", logs), logs[-3000:]
+    assert re.search(r"the training rank \d died: .*: restart 1 of trainer.max_restarts=2, from \S*step_2; the "
+                     r"rollout engines, the rollout manager, the data plane kept", logs), logs[-3000:]
     # What the driver saw first of the lost node: a training rank's call failing, the rollout
     # manager's call to a role on it, or its watch finding the node's actors dead (Ray's GCS)
     # while the manager waited on the lost data plane.
@@ -577,6 +580,7 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
     assert (engine["event"], engine["step"]) == ("engine_restart", 1) and engine["requeued"] > 0, engine
     assert [(e["event"], e["step"], e["checkpoint"]) for e in restarts] == \
         [("restart", s, str(out / "checkpoints" / f"step_{s}")) for s in (2, 3)], restarts
+    assert [e["kept"] for e in restarts] == [list(KEPT), []], restarts  # a lost node takes every role along
     rows = _rows(out)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     # Each step took exactly the prompts it scored from the stream (aborted ones went back), across

@@ -18,13 +18,17 @@ def _cfg(tmp_path, restarts):
     return load_config("quickstart", [f"trainer.max_restarts={restarts}", f"trainer.default_local_dir={tmp_path}"])
 
 
-def _dies(calls: list, deaths: int, checkpoint=True):
-    """A stand-in for one attempt of the run: records the resume_mode it got, dies `deaths` times."""
-    def attempt(cfg):
+def _dies(calls: list, deaths: int, checkpoint=True, keeps=None):
+    """A stand-in for one attempt of the run: records the resume_mode it got, dies `deaths` times,
+    leaving `keeps` (what a real attempt's `keep_roles` gives) when it may."""
+    def attempt(cfg, kept=None, may_keep=False):
         calls.append(cfg.trainer.resume_mode)
-        if len(calls) <= deaths:
+        if keeps is not None:
+            calls.append((kept, may_keep))
+        if len(calls) <= deaths * (1 if keeps is None else 2):
             died = roles.RoleDied(WHAT)
             died.checkpoint, died.step = (f"/run/checkpoints/step_{len(calls)}" if checkpoint else None), len(calls)
+            died.kept = keeps if may_keep else None
             raise died
         return 0
     return attempt
@@ -42,6 +46,51 @@ def test_a_dead_role_restarts_the_run_from_its_newest_checkpoint(tmp_path, monke
     out = capsys.readouterr().out
     assert ("the actor died: The actor died unexpectedly: restart 1 of trainer.max_restarts=2, from "
             "/run/checkpoints/step_1") in out
+
+
+def test_roles_an_attempt_kept_go_to_the_next_attempt(tmp_path, monkeypatch, capsys):
+    """A training rank's death may keep the other roles (recovery.keep_roles) while a restart is
+    left: the next attempt gets them, the console and events.jsonl say so; the last attempt may
+    keep nothing (its Ray goes when it dies: no restart would take the roles over)."""
+    calls, kept = [], object()
+    monkeypatch.setattr(loop, "_run", _dies(calls, 1, keeps=kept))
+    assert loop.run(_cfg(tmp_path, 1)) == 0
+    assert calls[1::2] == [(None, True), (kept, False)]
+    (event,) = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
+    assert event["kept"] == ["the rollout engines", "the rollout manager", "the data plane"]
+    assert "restart 1 of trainer.max_restarts=1, from /run/checkpoints/step_2; the rollout engines, the rollout " \
+           "manager, the data plane kept" in capsys.readouterr().out
+
+
+class _Died:
+    """What keep_roles reads of a run and of Ray, each refusal flipping one of them."""
+
+    def __init__(self, **run):
+        from types import SimpleNamespace
+        trainer = SimpleNamespace(mode=run.pop("mode", "sync"), partial_rollout=True)
+        self.run = SimpleNamespace(cfg=SimpleNamespace(trainer=trainer), ctx=None, syncing=False,  # ctx: never reached
+                                   checkpoint="/ckpt/step_2")
+        vars(self.run).update(run)
+        self.died = roles.RoleDied("the training rank 1 died: gone")
+        self.died.rank = "rank-1"
+
+
+@pytest.mark.parametrize("why", ["no rank", "syncing", "no checkpoint", "async partial", "node died"])
+def test_keep_roles_refuses_what_a_kept_engine_could_not_survive(why, monkeypatch):
+    """None (every role restarts) when the death is not a rank's own process, or came in the
+    weight sync, before any checkpoint, or with async partial rollouts in flight; the ranks are
+    not even killed then (the Ray shutdown takes them). The kept path itself runs on real roles:
+    tests/e2e/test_driver.py's crash chain."""
+    from dapo_megatron.driver import recovery
+    case = _Died(**{"syncing": {"syncing": True}, "no checkpoint": {"checkpoint": None},
+                    "async partial": {"mode": "async"}}.get(why, {}))
+    if why == "no rank":
+        case.died.rank = None
+    reasons = []
+    monkeypatch.setattr(recovery, "death_reason", lambda actor, wait_s: reasons.append(actor) or (
+        "NODE_DIED" if why == "node died" else "WORKER_DIED"))
+    assert recovery.keep_roles(case.run, case.died) is None
+    assert reasons == (["rank-1"] if why == "node died" else [])
 
 
 def test_an_attempt_that_saved_nothing_restarts_as_the_run_started(tmp_path, monkeypatch):
@@ -144,13 +193,16 @@ def test_a_role_dead_at_start_up_takes_its_ray_with_it(tmp_path, monkeypatch):
     the restart's placement group would wait for the devices the first one still holds."""
     shutdowns = []
 
-    def prepare(cfg):
+    def prepare(*args):
         raise roles.RoleDied(WHAT)
     monkeypatch.setattr(loop.setup, "prepare", prepare)
+    monkeypatch.setattr(loop.setup, "restart_training", prepare)
     monkeypatch.setattr(loop.ray, "shutdown", lambda: shutdowns.append(1))
     with pytest.raises(roles.RoleDied):
         loop._run(_cfg(tmp_path, 1))
-    assert shutdowns == [1]
+    with pytest.raises(roles.RoleDied):  # new ranks beside kept roles: the same
+        loop._run(_cfg(tmp_path, 1), kept=loop.Kept(None, None, 0), may_keep=True)
+    assert shutdowns == [1, 1]
 
 
 def test_the_cluster_a_run_joins(tmp_path, monkeypatch):
