@@ -215,8 +215,10 @@ def sync_weights(train, engines: list, sync: SyncConfig, verify: bool, version: 
 
 
 def evaluate(run) -> dict:
-    """The rollout manager's validation (rollout.val_kwargs): val/acc overall and per source."""
-    return roles.get("rollout manager", run.ctx.manager.evaluate.remote(run.step))
+    """The rollout manager's validation (rollout.val_kwargs): val/acc overall and per source; an
+    engine that dies meanwhile is replaced (rollout.max_engine_restarts), as in a collection."""
+    from dapo_megatron.driver.recovery import wait_manager  # (recovery imports this module)
+    return wait_manager(run, run.ctx.manager.evaluate.remote(run.step))
 
 
 def trainer_state(run) -> dict:

@@ -33,7 +33,7 @@ from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.dataplane import StepBatch
 from dapo_megatron.logs import redirect_output
 from dapo_megatron.reward.metrics import validation_metrics
-from dapo_megatron.roles import as_role
+from dapo_megatron.roles import as_role, died
 from dapo_megatron.rollout.collect import (Collected, RewardScorer, Store, collect_early_stop, collect_sync,
                                            groups_to_batch)
 from dapo_megatron.rollout.health import Death, EngineHealth
@@ -192,9 +192,7 @@ class RolloutManager:
         per_source: dict[str, list[float]] = {}
         prompts = []  # (data_source, answers, correct) per prompt: pass@k / maj@k at n > 1
         try:
-            results = as_role("rollout engine", lambda: ray.get(
-                [e.generate.remote([it.prompt for it in s], sampling, store.partition)
-                 for e, s in zip(self.engines, shards)]))
+            results = self._generate_shards(shards, sampling, store.partition)
             for shard, groups in zip(shards, results):
                 for g in scorer(shard, groups) if shard else []:
                     p = g.payload
@@ -207,6 +205,26 @@ class RolloutManager:
         out.update({f"val/acc/{src}": sum(vs) / len(vs) for src, vs in per_source.items()})
         if sampling.n > 1:
             out.update(validation_metrics(prompts, seed=cfg.rollout.seed))
+        return out
+
+    def _generate_shards(self, shards: list[list], sampling: Sampling, partition: str) -> list:
+        """Each engine's shard of the validation prompts, all generating at once. With
+        rollout.max_engine_restarts a shard whose engine died is generated again, whole, on its
+        replacement (the driver starts it, as for a collection: `engine_deaths`)."""
+        def generate(engine: int):
+            return self.engines[engine].generate.remote([it.prompt for it in shards[engine]], sampling, partition)
+        refs, out = [generate(i) for i in range(len(shards))], []
+        for i, shard in enumerate(shards):
+            while True:
+                try:
+                    out.append(ray.get(refs[i]))
+                    break
+                except ray.exceptions.RayActorError as exc:
+                    if self.health is None:
+                        raise died("rollout engine", exc) from None
+                    self.health.report(i, exc, len(shard))  # raises when no restart is left
+                    self.health.wait_alive(any_of=False)
+                    refs[i] = generate(i)
         return out
 
     @ray.method(concurrency_group="health")

@@ -327,6 +327,54 @@ class SeededEngine(FakeEngine):
         return self.store.put([self.live.pop(rid)[1]])
 
 
+class ShardEngine(SeededEngine):
+    """Fake (no vLLM): a SeededEngine whose rows have keys of its own (`prefix`); `dies`: its
+    process exits in `generate`, as one killed -9 mid-validation."""
+
+    def __init__(self, data_plane, prefix: str, dies: bool = False):
+        from dapo_megatron.rollout.actor import GroupStore
+        super().__init__(data_plane, 24)
+        self.store, self.dies = GroupStore(data_plane, prefix), dies
+
+    def generate(self, prompts, sampling, partition=None):
+        if self.dies:
+            os._exit(1)
+        return super().generate(prompts, sampling, partition)
+
+
+def test_validation_generates_a_dead_engines_shard_again_on_its_replacement(plane_env, tiny_assets):
+    """rollout.max_engine_restarts in validation: one of two engines dies in its `generate`; the
+    manager reports it with its shard, the driver's part (recovery.replace: here the test) hands a
+    replacement over, the shard is generated again, whole, and val/* equal the next validation's,
+    which nobody killed. With the restarts spent, a death is the run's RoleDied naming the key."""
+    import dataclasses as dc
+
+    ray = pytest.importorskip("ray")
+    from dapo_megatron import roles
+    from dapo_megatron.rollout.manager import manager_actor
+    handle, _, _ = plane_env
+    cfg = _manager_cfg("sync")
+    cfg = dc.replace(cfg, rollout=dc.replace(cfg.rollout, max_engine_restarts=1))
+
+    def engine(name: str, dies: bool = False):
+        return ray.remote(ShardEngine).options(num_cpus=0).remote(handle, name, dies)
+
+    def val(metrics: dict) -> dict:
+        return {k: v for k, v in metrics.items() if k.startswith("val/")}
+    manager = manager_actor().options(num_cpus=0).remote(cfg, [engine("e0"), engine("e1", dies=True)],
+                                                         str(tiny_assets / "tokenizer"), handle, Items(24), Items(13), ())
+    pending = manager.evaluate.remote(0)
+    (death,) = ray.get(manager.engine_deaths.remote(60.0))
+    assert (death.engine, death.in_flight) == (1, 6), death  # its whole shard: prompts 1, 3, ..., 11
+    ray.get(manager.replace_engine.remote(1, engine("e1-restart1")))
+    got = val(ray.get(pending))
+    assert got == val(ray.get(manager.evaluate.remote(0))) and "val/acc" in got
+    ray.get(manager.replace_engine.remote(1, engine("e1-restart2", dies=True)))
+    with pytest.raises(roles.RoleDied, match=r"^the rollout engine died: .*rollout.max_engine_restarts=1: every"):
+        roles.get("rollout manager", manager.evaluate.remote(0))
+    ray.kill(manager)
+
+
 def _manager_cfg(mode: str):
     import dataclasses as dc
 
