@@ -117,6 +117,12 @@ def staleness(versions: list[tuple[int, int]], syncs: int, bound: int) -> dict:
             "rollout/partial_frac": sum(a != b for a, b in versions) / len(versions)}
 
 
+def evaluate(run: Run) -> dict:
+    """The rollout manager's validation (rollout.val_kwargs): val/acc overall and per source; an
+    engine that dies meanwhile is replaced (rollout.max_engine_restarts), as in a collection."""
+    return wait_manager(run, run.ctx.manager.evaluate.remote(run.step))
+
+
 def train_step(run: Run) -> dict:
     """One DAPO step; returns its metrics (empty if dynamic sampling kept nothing). The step's
     rows live in one data-plane partition, cleared when the update consumed them (or failed)."""
@@ -239,7 +245,7 @@ def _loop(run_: Run) -> int:
     setup.resume(run_)
     run_.share.start(run_)
     if cfg.trainer.val_before_train and run_.step == 0:
-        run_.logger.log(0, setup.evaluate(run_))
+        run_.logger.log(0, evaluate(run_))
     empty = 0
     while run_.step < ctx.total_steps and not run_.stop_requested:
         t0, cpu0 = time.perf_counter(), time.process_time()
@@ -265,7 +271,7 @@ def _loop(run_: Run) -> int:
         if cfg.rollout.max_engine_restarts:
             metrics["rollout/engine_restarts"] = float(run_.engine_restarts)  # in this run so far
         if cfg.trainer.test_freq > 0 and run_.step % cfg.trainer.test_freq == 0:
-            metrics.update(setup.evaluate(run_))
+            metrics.update(evaluate(run_))
         run_.logger.log(run_.step, metrics)
         if cfg.trainer.save_freq > 0 and run_.step % cfg.trainer.save_freq == 0:
             setup.save(run_)

@@ -1,4 +1,4 @@
-"""What the loop needs around a step: start-up, weight sync, validation, save / resume, faults."""
+"""What the loop needs around a step: start-up, weight sync, save / resume, restarts."""
 from __future__ import annotations
 
 import dataclasses
@@ -212,13 +212,6 @@ def sync_weights(train, engines: list, sync: SyncConfig, verify: bool, version: 
                 raise RuntimeError(f"weight sync verification failed on engine {i}: {len(bad)} tensors differ "
                                    f"from the trainer's, e.g. {bad[:5]}")
     return {"sync/bytes": nbytes}
-
-
-def evaluate(run) -> dict:
-    """The rollout manager's validation (rollout.val_kwargs): val/acc overall and per source; an
-    engine that dies meanwhile is replaced (rollout.max_engine_restarts), as in a collection."""
-    from dapo_megatron.driver.recovery import wait_manager  # (recovery imports this module)
-    return wait_manager(run, run.ctx.manager.evaluate.remote(run.step))
 
 
 def trainer_state(run) -> dict:
