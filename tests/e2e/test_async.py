@@ -3,7 +3,9 @@ rank and one engine) and the tiny task.
 
 one_step_off: three steps in this process, a checkpoint after each. The engines generate step
 k + 1's batch with the weights of step k - 1 while step k trains; a checkpoint saved while that
-batch waits untrained gives its prompts back to the stream.
+batch waits untrained gives its prompts back to the stream. Its training rank is killed -9 in
+step 2's update: the run restarts from step 1's checkpoint with a new rank beside the engine,
+rollout manager and data plane it kept, step 3's batch (asked ahead) dropped.
 async (the config as shipped: two batches ahead, partial rollouts, early-stop sampling): killed -9
 in step 3's update (the engine generating the next batches meanwhile), then resumed to step 4.
 """
@@ -40,16 +42,21 @@ def one_step_off(tiny_assets, tmp_path_factory):
 
     from dapo_megatron.config import load_config
     from dapo_megatron.driver.loop import run
+    from tests.e2e.test_driver import _kill_first
     out = tmp_path_factory.mktemp("one_step_off") / "run"
     overrides = _overrides(tiny_assets, out, 3, **{
         "data.val_files": f"[{tiny_assets / 'data' / 'val.parquet'}]", "data.gen_batch_size": BATCH,
         "algorithm.filter_groups.enable": "false", "trainer.max_checkpoints_to_keep": 3, "trainer.test_freq": 2,
-        "trainer.mode": "one_step_off", "trainer.max_staleness": 1, "algorithm.filter_groups.mode": "sync"})
+        "trainer.mode": "one_step_off", "trainer.max_staleness": 1, "algorithm.filter_groups.mode": "sync",
+        "trainer.max_restarts": 1})
     cfg = load_config("quickstart_async", overrides)
+    logged = lambda: (out / "metrics.jsonl").exists() and (out / "metrics.jsonl").read_text().count("\n") >= 1  # noqa: E731
     try:
-        assert run(cfg) == 0
+        with _kill_first("ray::TrainWorker.step_update", after=logged) as killed:
+            assert run(cfg) == 0
     finally:
         ray.shutdown()
+    assert len(killed) == 1
     return out, [json.loads(line) for line in open(out / "metrics.jsonl")]
 
 
@@ -64,8 +71,9 @@ def test_next_batch_is_generated_one_push_behind_while_the_step_trains(one_step_
     out, rows = one_step_off
     assert [r["step"] for r in rows] == [1, 2, 3]
     # the first batch came from the start weights; each later one was asked before the previous
-    # step's push: one policy version behind the weights it trains
-    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 1.0]
+    # step's push: one policy version behind the weights it trains; but step 2's: asked again
+    # after the restart, from the checkpoint's weights synced into the kept engine
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 0.0, 1.0]
     assert all("timing/trainer_wait" in r and "timing/gen" not in r for r in rows)
     assert ["timing/sync_wait" in r for r in rows] == [True, True, False]  # nothing asked past the last step
     # the batch's behaviour policy is not the proximal one: the decoupled weights are computed
@@ -79,6 +87,19 @@ def test_a_checkpoint_gives_the_untrained_batchs_prompts_back(one_step_off):
     out, rows = one_step_off
     assert [_saved_position(out, s) for s in (1, 2, 3)] == [BATCH, 2 * BATCH, 3 * BATCH]
     assert rows[-1]["data_plane/resident_mb"] == 0
+
+
+def test_a_dead_rank_restarts_alone_and_drops_the_batch_asked_ahead(one_step_off):
+    """The kill in step 2's update: one restart from step 1's checkpoint that kept the other roles;
+    the batch of step 3, generated beside the update, was dropped (its rows cleared: the data plane
+    holds nothing once the last step released its own; mid-run it holds the batch asked ahead), and
+    the stream went on from the checkpoint (the positions above)."""
+    from dapo_megatron.driver.recovery import KEPT
+    out, rows = one_step_off
+    (event,) = [json.loads(line) for line in open(out / "events.jsonl")]
+    assert (event["event"], event["step"], event["kept"]) == ("restart", 1, list(KEPT)), event
+    assert event["checkpoint"] == str(out / "checkpoints" / "step_1")
+    assert rows[-1]["data_plane/resident_mb"] == 0 < rows[0]["data_plane/resident_mb"]
 
 
 ASYNC_STEPS = 5
