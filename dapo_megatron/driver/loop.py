@@ -65,7 +65,15 @@ class Run:
     checkpoint: Optional[str] = None  # the newest this run saved or resumed from (a restart's)
     deaths: object = None  # the manager's long poll for dead engines (driver/recovery.py)
     engine_restarts: int = 0
-    syncing: bool = False  # in the weight sync: a rank dying now may leave engines mid-receive
+    syncing: bool = False  # in a weight sync (`in_sync`)
+
+    @contextlib.contextmanager
+    def in_sync(self):
+        """Around a weight sync: a rank that dies inside it may leave an engine mid-receive, so its
+        restart keeps no role (`recovery.keep_roles`); left set when the sync raises."""
+        self.syncing = True
+        yield
+        self.syncing = False
 
     @contextlib.contextmanager
     def timed(self, name: str, what=()):
@@ -153,11 +161,10 @@ def train_step(run: Run) -> dict:
         with run.timed("sync_wait"):  # the batches in flight finish on the old weights (drain)
             for request in run.pending:
                 wait_manager(run, request.ref, get=False)
-    with run.timed("sync"):
-        run.syncs, run.syncing = run.syncs + 1, True
+    with run.timed("sync"), run.in_sync():
+        run.syncs += 1
         metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync,
                                           verify=setup.verify_due(cfg, run.syncs), version=run.syncs))
-        run.syncing = False
     run.share.after_sync(run)
     metrics.update(rollout_metrics, **lp_metrics)
     metrics.update(_batch_metrics(step, metrics, resident))

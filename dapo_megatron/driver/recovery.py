@@ -100,7 +100,8 @@ def replace(run, death: Death) -> None:
         if params:
             roles.as_role("actor", ctx.train.onload, params)
         try:
-            setup.sync_weights(ctx.train, [new], cfg.rollout.sync, verify=True, version=run.syncs)
+            with run.in_sync():
+                setup.sync_weights(ctx.train, [new], cfg.rollout.sync, verify=True, version=run.syncs)
         finally:
             if params:
                 roles.as_role("actor", ctx.train.offload, params)
