@@ -390,7 +390,7 @@ class SimTrain:
 
     def push_weights(self, engines, bucket_mb, verify, transport):
         self._phase(self.c.sync_s)
-        return {}, 0
+        return {}, 0, []
 
     def pop_memory(self) -> dict:
         return {}

@@ -26,7 +26,8 @@ from dapo_megatron.config import DapoConfig
 from dapo_megatron.driver import setup
 from dapo_megatron.driver.colocate import TimeShare
 from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, write_event
-from dapo_megatron.driver.recovery import KEPT, Kept, RoleWatch, drop_pending, keep_roles, wait_manager
+from dapo_megatron.driver.recovery import (KEPT, Kept, RoleWatch, drop_pending, keep_roles, replace_lost_in_sync,
+                                           replaces_in_sync, wait_manager)
 from dapo_megatron.logs import LOGS
 
 
@@ -161,10 +162,12 @@ def train_step(run: Run) -> dict:
         with run.timed("sync_wait"):  # the batches in flight finish on the old weights (drain)
             for request in run.pending:
                 wait_manager(run, request.ref, get=False)
+    lost = [] if replaces_in_sync(cfg) else None  # engines that die in the sync (the rest synced)
     with run.timed("sync"), run.in_sync():
         run.syncs += 1
-        metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync,
+        metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync, lost=lost,
                                           verify=setup.verify_due(cfg, run.syncs), version=run.syncs))
+    replace_lost_in_sync(run, lost or [])  # before the time share wakes every engine's KV cache
     run.share.after_sync(run)
     metrics.update(rollout_metrics, **lp_metrics)
     metrics.update(_batch_metrics(step, metrics, resident))

@@ -81,9 +81,10 @@ class RoleWatch:
         raise roles.died(name, message.split(". ")[0])  # Ray's next sentences guess at causes
 
 
-def replace(run, death: Death) -> None:
+def replace(run, death: Death, reported: bool = True) -> None:
     """A new engine where the dead one was, with the trainer's weights; a line on the console,
-    one in events.jsonl, its seconds in timing/engine_recovery."""
+    one in events.jsonl, its seconds in timing/engine_recovery. `reported`: the manager saw the
+    death (and counted it against rollout.max_engine_restarts); else it counts it now."""
     cfg, ctx, i = run.cfg, run.ctx, death.engine
     run.engine_restarts += 1
     print(f"step {run.step + 1}: the rollout engine {i} died ({death.cause}); {death.in_flight} prompts in flight "
@@ -106,12 +107,30 @@ def replace(run, death: Death) -> None:
             if params:
                 roles.as_role("actor", ctx.train.offload, params)
         ctx.engines[i] = new  # the list the sync and the time share use
-        roles.get("rollout manager", ctx.manager.replace_engine.remote(i, new))
+        roles.get("rollout manager", ctx.manager.replace_engine.remote(i, new, count=not reported))
     seconds = time.perf_counter() - t0
     write_event(cfg.trainer.default_local_dir, "engine_restart", what=f"rollout engine {i}: {death.cause}",
                 step=run.step, seconds=round(seconds, 2), since_death_s=round(time.time() - death.at, 2),
                 requeued=death.in_flight, restart=run.engine_restarts)
     print(f"step {run.step + 1}: rollout engine {i} replaced in {seconds:.1f} s", flush=True)
+
+
+def replaces_in_sync(cfg) -> bool:
+    """Whether an engine that dies in the step's weight sync is replaced after it (the others
+    synced): object_store only (a broadcast group fails whole), and not while the manager
+    collects beside the sync (async partial rollouts: it reports that death itself)."""
+    return (cfg.rollout.max_engine_restarts > 0 and cfg.rollout.sync.transport == "object_store"
+            and not (cfg.trainer.mode == "async" and cfg.trainer.partial_rollout))
+
+
+def replace_lost_in_sync(run, lost: list[int]) -> None:
+    """Engines that died in the step's weight sync, replaced once it is done, within
+    rollout.max_engine_restarts (then the run stops, or restarts under trainer.max_restarts)."""
+    limit = run.cfg.rollout.max_engine_restarts
+    for i in lost:
+        if run.engine_restarts >= limit:
+            raise roles.died("rollout engine", f"engine {i} died in the weight sync", f"rollout.max_engine_restarts={limit}")
+        replace(run, Death(i, "it died in the weight sync", 0, time.time()), reported=False)
 
 
 def drop_pending(run) -> None:

@@ -169,16 +169,17 @@ class TrainWorker:
         return self.transport.listen(any(sender_roles()))
 
     def push_weights(self, engines: list, bucket_mb: int, checksums: bool,
-                     address: Optional[tuple[str, int]] = None) -> tuple[dict, int]:
+                     address: Optional[tuple[str, int]] = None) -> tuple[dict, int, list[int]]:
         """Send the tensors this rank owns (weights/sync.py) into every engine through the
-        transport; returns their checksums (with `checksums`) and bytes. A collective: every rank
+        transport; returns their checksums (with `checksums`), bytes and the engines that died
+        in it (the transport's `Sender.dead`). A collective: every rank
         takes part in the TP / expert-TP gathers."""
         from dapo_megatron.weights.sync import push
         sender = self.transport.sender(engines, address)
         sums, self.sync_plan = push(self.actor.chunks, sender, bucket_mb << 20, self.sync_plan, checksums=checksums)
         sender.close()
         self._peak("sync")
-        return sums, self.sync_plan.nbytes
+        return sums, self.sync_plan.nbytes, sorted(sender.dead)
 
     def save_hf(self, out_dir: str, shard_mb: int = 2048) -> dict:
         """Write the current weights as HF safetensors shards (one writer per stage); returns
@@ -296,19 +297,21 @@ class TrainGroup:
 
     def push_weights(self, engines: list, bucket_mb: int, checksums: bool,
                      transport: str = "object_store") -> tuple[dict, int]:
-        """Every rank sends what it owns; returns all checksums and the bytes sent per engine.
-        The transport (rollout.sync.transport) says where ranks listen and which engine calls
-        receive while the ranks push (weights/transport.py)."""
+        """Every rank sends what it owns; returns all checksums, the bytes sent per engine and the
+        engines (indices) that died in it, the others synced (object_store). The transport
+        (rollout.sync.transport) says where ranks listen and which engine calls receive while the
+        ranks push (weights/transport.py)."""
         addresses = self._all([w.sync_address.remote() for w in self.workers])
         receiving = TRANSPORTS[transport].start_receivers(engines, addresses)
-        sums, nbytes = {}, 0
+        sums, nbytes, dead = {}, 0, set()
         pushes = [w.push_weights.remote(engines, bucket_mb, checksums, a) for w, a in zip(self.workers, addresses)]
         # One get over both sides: ray.get raises at the first failure, so an engine that dies
         # mid-receive stops the run now, not after its sender's collective times out.
-        for part, n in self._all(pushes + receiving)[:len(pushes)]:
+        for part, n, lost in self._all(pushes + receiving)[:len(pushes)]:
             sums.update(part)
             nbytes += n
-        return sums, nbytes
+            dead.update(lost)
+        return sums, nbytes, sorted(dead)
 
     def save_hf(self, out_dir: str) -> tuple[dict, int]:
         """HF shards of the current weights in out_dir; (weight map, bytes) for `finalize_shards`."""

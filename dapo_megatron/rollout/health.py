@@ -75,8 +75,11 @@ class EngineHealth:
             out, self._unclaimed = self._unclaimed, []
         return out
 
-    def replace(self, engine: int, handle) -> None:
+    def replace(self, engine: int, handle, count: bool = False) -> None:
+        """`handle` in the dead engine's place; `count`: its death was not reported here (the
+        driver saw it in a weight sync) but counts against max_restarts all the same."""
         with self._cv:
+            self.restarts += count
             self.engines[engine] = handle
             self.dead.pop(engine, None)
             self._cv.notify_all()

@@ -233,9 +233,10 @@ class RolloutManager:
         return self.health.wait_dead(timeout)
 
     @ray.method(concurrency_group="health")
-    def replace_engine(self, engine: int, handle) -> None:
-        """A started replacement, holding the current weights, takes the dead engine's place."""
-        self.health.replace(engine, handle)
+    def replace_engine(self, engine: int, handle, count: bool = False) -> None:
+        """A started replacement, holding the current weights, takes the dead engine's place;
+        `count`: a death the manager did not see (in the weight sync) counts as a restart."""
+        self.health.replace(engine, handle, count)
 
     @ray.method(concurrency_group="control")
     def state_dict(self, before: Optional[int] = None) -> dict:

@@ -50,23 +50,32 @@ class Sender(Protocol):
     def close(self) -> None:
         """End this rank's part of the sync (after the last flush)."""
 
+    dead: set  # engines (indices) that died in this sync and got no later bucket; the others synced
+
 
 # ---- object store -----------------------------------------------------------------------------
 
 
 class _ObjectStoreSender:
+    """An engine that dies in the sync is left out of the later buckets (`dead`): the others'
+    sync goes on, and the driver replaces it (driver/recovery.py)."""
+
     def __init__(self, engines: list):
-        self.engines, self.pending = engines, []
+        self.engines, self.pending, self.dead = engines, [], set()
 
     def send(self, bucket: Bucket) -> None:
         import ray
         ref = ray.put([(name, t.detach().cpu()) for name, t in bucket])
         self.flush()
-        self.pending = [e.load_weights.remote(ref) for e in self.engines]
+        self.pending = [(i, e.load_weights.remote(ref)) for i, e in enumerate(self.engines) if i not in self.dead]
 
     def flush(self) -> None:
         import ray
-        ray.get(self.pending)
+        for i, ref in self.pending:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError:
+                self.dead.add(i)
         self.pending = []
 
     def close(self) -> None:
@@ -116,6 +125,8 @@ def _padded(nbytes: int) -> int:
 
 
 class _BroadcastSender:
+    dead: set = frozenset()  # an engine that dies fails the group's broadcast: the sync stops
+
     def __init__(self, group, device):
         self.group, self.where = group, device.current_device()
         self.bytes_sent = 0
@@ -146,6 +157,7 @@ class _BroadcastSender:
 
 class _NoSender:
     """A rank that owns no tensor to send: it takes part in the export's gathers only."""
+    dead: set = frozenset()
 
     def send(self, bucket: Bucket) -> None:
         raise RuntimeError("weight sync: a rank with no broadcast group was given a bucket to send")

@@ -1,5 +1,7 @@
 """Both weight-sync transports of weights/transport.py, each through both of its sides: broadcast
 over real gloo groups, object_store through a real Ray object store into an engine-like actor."""
+import os
+
 import pytest
 import torch
 
@@ -52,33 +54,41 @@ def test_broadcast_wiring_asks_every_engine_to_receive_from_every_sender():
 
 def test_object_store_transport_into_an_engine_like_actor():
     """The sender puts each bucket in the object store once and every engine's load_weights reads
-    it; flush waits for the loads; there is nothing to listen on and no receiver to start."""
+    it; flush waits for the loads; there is nothing to listen on and no receiver to start. An
+    engine that dies mid-sync (its process exits in the second bucket) is reported in `dead` and
+    sent nothing more; the others get every bucket."""
     import ray
     from dapo_megatron.device import get_device
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
     try:
         @ray.remote(num_cpus=0)
         class Sink:
-            def __init__(self):
-                self.got = {}
+            def __init__(self, dies_at: int = 0):
+                self.got, self.dies_at, self.buckets = {}, dies_at, 0
 
             def load_weights(self, bucket):
+                self.buckets += 1
+                if self.buckets == self.dies_at:
+                    os._exit(1)
                 self.got.update((name, t.clone()) for name, t in bucket)
                 return len(bucket)
 
             def held(self):
                 return self.got
 
-        sinks = [Sink.remote(), Sink.remote()]
+        sinks = [Sink.remote(), Sink.remote(dies_at=2), Sink.remote()]
         t = ObjectStoreTransport(get_device("cpu"))
         assert t.listen(True) is None and ObjectStoreTransport.start_receivers(sinks, [None]) == []
         sender = t.sender(sinks, None)
-        buckets = [[("a", torch.randn(4, 3)), ("b", torch.arange(6).bfloat16())], [("c", torch.tensor([True, False]))]]
+        buckets = [[("a", torch.randn(4, 3)), ("b", torch.arange(6).bfloat16())], [("c", torch.tensor([True, False]))],
+                   [("d", torch.ones(2))]]
         for bucket in buckets:
             sender.send(bucket)
         sender.close()
+        assert sender.dead == {1}
+        del sinks[1]
         for held in ray.get([s.held.remote() for s in sinks]):
-            assert set(held) == {"a", "b", "c"}
+            assert set(held) == {"a", "b", "c", "d"}
             for name, tensor in (pair for bucket in buckets for pair in bucket):
                 assert held[name].dtype == tensor.dtype and torch.equal(held[name], tensor), name
         with pytest.raises(RuntimeError, match="no receiving side"):

@@ -121,8 +121,8 @@ def whole(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
 def chunked(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
     """The same in this process, prefilling 256 tokens a step, asked for 50 steps and sent SIGTERM
     once two are logged: it finishes the step in flight, saves it and returns 0. Its engine is
-    killed -9 in step 2's generation (requests in flight) and replaced in the step
-    (rollout.max_engine_restarts)."""
+    killed -9 in step 1's weight sync (loading a bucket) and in step 2's generation (requests in
+    flight), and replaced each time (rollout.max_engine_restarts)."""
     import signal
     import threading
     import time
@@ -137,14 +137,16 @@ def chunked(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
 
     threading.Thread(target=term_after_two_steps, daemon=True).start()
     cfg = _cfg(tiny_assets, out, 50, **long_prompts, **{"rollout.max_num_batched_tokens": 256, "trainer.save_freq": 100,
-                                                       "rollout.max_engine_restarts": 1})
+                                                       "rollout.max_engine_restarts": 2})
     previous = signal.getsignal(signal.SIGTERM)
     os.environ[KILL_ENGINE_AT] = "2"  # the local Ray's processes inherit it
     try:
-        assert _run_here(cfg) == 0
+        with _kill_first("ray::EngineActor.load_weights", after=lambda: True) as killed:  # the first sync's
+            assert _run_here(cfg) == 0
     finally:
         signal.signal(signal.SIGTERM, previous)
         os.environ.pop(KILL_ENGINE_AT, None)
+    assert len(killed) == 1
     return Finished(out, _rows(out))
 
 
@@ -273,8 +275,8 @@ def test_real_length_prompts_chunked_prefill_changes_nothing(whole, chunked, tin
     assert [r["step"] for r in chunked.rows[:2]] == [1, 2]
     for c, w in zip(clockless(chunked.rows[:2]), clockless(whole.rows)):
         if c["step"] == 2:  # every response of step 2 came from the replacement, whose row keys
-            # carry its name (dapo-engine-0-restart1): the manager received that much more
-            extra = len("-restart1") * c["sampling/scored_responses"]
+            # carry its name (dapo-engine-0-restart2, the second): the manager received that much more
+            extra = len("-restart2") * c["sampling/scored_responses"]
             assert c.pop("driver/bytes") - w.pop("driver/bytes") == extra, (c, w)
             c.pop("driver/bytes_per_response"), w.pop("driver/bytes_per_response")
         differ = {k: (v, w.get(k)) for k, v in c.items() if w.get(k) != v}
@@ -341,18 +343,24 @@ def test_ranks_read_their_share_at_dp2_and_the_same_rows_at_tp2(whole, tp2_kille
 
 
 def test_an_engine_killed_mid_generation_is_replaced_within_the_step(chunked):
-    """The kill in step 2's generation (chunked's run): the prompts in flight go back, a new engine
-    starts in the dead one's bundle with the trainer's weights (checksums compared), the step
-    finishes; one line of events.jsonl, the restart counted, its time logged; the replacement's
-    log-prob agreement with the trainer as before the kill (fp32: noise of ~1e-6; a wrong or stale
+    """The kills of chunked's run. In step 1's weight sync: the other engines' sync would go on (here
+    there is none), and once it is done a new engine gets the step's weights alone. In step 2's
+    generation: the prompts in flight go back, a new engine starts in the dead one's bundle with
+    the trainer's weights (checksums compared), the step finishes. A line of events.jsonl each,
+    the restarts counted, their time logged; the replacements' log-prob agreement with the trainer
+    as in step 1, whose batch the first engine generated (fp32: noise of ~1e-6; a wrong or stale
     weight shows as > 1e-2)."""
-    (event,) = [json.loads(line) for line in open(chunked.out / "events.jsonl")]
-    assert (event["event"], event["step"], event["restart"]) == ("engine_restart", 1, 1), event
-    assert event["requeued"] > 0 and 0 < event["seconds"] < 120 and "rollout engine 0" in event["what"], event
+    in_sync, in_generation = [json.loads(line) for line in open(chunked.out / "events.jsonl")]
+    assert (in_sync["event"], in_sync["step"], in_sync["restart"], in_sync["requeued"]) == ("engine_restart", 0, 1, 0)
+    assert "died in the weight sync" in in_sync["what"], in_sync
+    assert (in_generation["event"], in_generation["step"], in_generation["restart"]) == ("engine_restart", 1, 2)
+    for event in (in_sync, in_generation):
+        assert 0 < event["seconds"] < 120 and "rollout engine 0" in event["what"], event
+    assert in_generation["requeued"] > 0, in_generation
     first, second = chunked.rows[:2]
-    assert (first["rollout/engine_restarts"], second["rollout/engine_restarts"]) == (0.0, 1.0)
-    assert "timing/engine_recovery" not in first and second["timing/engine_recovery"] == pytest.approx(
-        event["seconds"], abs=0.01)
+    assert (first["rollout/engine_restarts"], second["rollout/engine_restarts"]) == (1.0, 2.0)
+    for row, event in ((first, in_sync), (second, in_generation)):
+        assert row["timing/engine_recovery"] == pytest.approx(event["seconds"], abs=0.01)
     before = first["rollout/logprob_diff_max"]
     assert all(r["rollout/logprob_diff_max"] <= max(2 * before, 1e-5) for r in chunked.rows[1:]), chunked.rows
 
