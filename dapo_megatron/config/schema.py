@@ -266,6 +266,12 @@ class TrainerConfig:
     skip_memory_check: bool = False  # start anyway (a warning) when the plan says it does not fit
 
     @property
+    def carries_in_flight(self) -> bool:
+        """async with partial rollouts: the groups in flight when a batch fills go on generating
+        into the next batches, across weight pushes (the rollout manager collects beside the sync)."""
+        return self.mode == "async" and self.partial_rollout
+
+    @property
     def batches_ahead(self) -> int:
         """Batches the rollout manager is asked for beyond the one being trained: the bound on a
         trained token's policy lag (a batch asked at step s starts with the weights of step s - 1)."""

@@ -278,7 +278,7 @@ def _check_mode(cfg: DapoConfig) -> None:
     _require(t.mode == "async" or t.max_staleness == 1, "trainer.max_staleness",
              f"trainer.max_staleness={t.max_staleness} bounds trainer.mode=async; trainer.mode={t.mode} lags "
              f"{t.batches_ahead}: set trainer.mode=async or leave trainer.max_staleness at 1")
-    _require(t.stale_strategy == "drop" or (t.mode == "async" and t.partial_rollout), "trainer.stale_strategy",
+    _require(t.stale_strategy == "drop" or t.carries_in_flight, "trainer.stale_strategy",
              f"trainer.stale_strategy={t.stale_strategy} acts on groups carried across batches: it needs "
              "trainer.mode=async with trainer.partial_rollout=true (otherwise none is carried)")
     # async streams prompts to the engines; recipe rounds would wait for each round's tail

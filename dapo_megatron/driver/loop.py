@@ -158,7 +158,7 @@ def train_step(run: Run) -> dict:
     finally:  # the step's rows, consumed (or failed); what the data plane still holds
         resident = roles.get("rollout manager", ctx.manager.release.remote(step.partition))
     run.share.before_sync(run)
-    if run.pending and not (cfg.trainer.mode == "async" and cfg.trainer.partial_rollout):
+    if run.pending and not cfg.trainer.carries_in_flight:
         with run.timed("sync_wait"):  # the batches in flight finish on the old weights (drain)
             for request in run.pending:
                 wait_manager(run, request.ref, get=False)

@@ -65,8 +65,7 @@ class RoleWatch:
     def __call__(self) -> None:
         now, dead = time.time(), []
         for actor in self.actors(job_id=self.job, actor_state_name="DEAD").values():
-            context = actor["DeathCause"].actor_died_error_context
-            reason, cls = context.Reason.Name(context.reason), actor["ActorClassName"].rsplit(".", 1)[-1]
+            reason, cls = _reason(actor), actor["ActorClassName"].rsplit(".", 1)[-1]
             died_at = actor["EndTime"] / 1000
             if reason in UNEXPECTED and cls not in self.skip and self.since <= died_at < now - WATCH_GRACE_S:
                 dead.append((f"{ROLE_NAMES.get(cls, cls)} (pid {actor['Pid']})", reason, actor))
@@ -120,7 +119,7 @@ def replaces_in_sync(cfg) -> bool:
     synced): object_store only (a broadcast group fails whole), and not while the manager
     collects beside the sync (async partial rollouts: it reports that death itself)."""
     return (cfg.rollout.max_engine_restarts > 0 and cfg.rollout.sync.transport == "object_store"
-            and not (cfg.trainer.mode == "async" and cfg.trainer.partial_rollout))
+            and not cfg.trainer.carries_in_flight)
 
 
 def replace_lost_in_sync(run, lost: list[int]) -> None:
@@ -164,7 +163,7 @@ def keep_roles(run, died: roles.RoleDied) -> Optional[Kept]:
     collective with the dead one until trainer.dist_timeout_s)."""
     cfg, ctx = run.cfg, run.ctx
     rank = getattr(died, "rank", None)
-    if rank is None or run.syncing or run.checkpoint is None or (cfg.trainer.mode == "async" and cfg.trainer.partial_rollout):
+    if rank is None or run.syncing or run.checkpoint is None or cfg.trainer.carries_in_flight:
         return None
     if death_reason(rank, KEEP_CHECK_S) != "WORKER_DIED":
         return None
@@ -188,7 +187,12 @@ def death_reason(actor, wait_s: float) -> Optional[str]:
     while time.monotonic() < deadline:
         info = state.actors(actor_id=actor._actor_id.hex())
         if info and info["State"] == "DEAD":
-            context = info["DeathCause"].actor_died_error_context
-            return context.Reason.Name(context.reason)
+            return _reason(info)
         time.sleep(0.2)
     return None
+
+
+def _reason(info: dict) -> str:
+    """The reason of a dead actor's GCS entry (`ray._private.state.actors`): WORKER_DIED, NODE_DIED, RAY_KILL, ..."""
+    context = info["DeathCause"].actor_died_error_context
+    return context.Reason.Name(context.reason)

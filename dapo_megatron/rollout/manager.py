@@ -149,7 +149,7 @@ class RolloutManager:
             # async with partial rollouts: stragglers go on into the next batch, not aborted, and
             # the groups of max_staleness - 1 more batches may be in flight beside this one's; a
             # group trained at step `step` (step - 1 pushes done) may lag max_staleness pushes
-            carry = t.mode == "async" and t.partial_rollout
+            carry = t.carries_in_flight
             collect = partial(collect_early_stop, health=self.health, carried=self.carried, carry=carry,
                               oldest_version=step - 1 - t.max_staleness if carry else None,
                               batches_after=t.max_staleness - 1 if carry else 0, wait=t.stale_strategy == "wait")

@@ -67,7 +67,8 @@ class _Died:
 
     def __init__(self, **run):
         from types import SimpleNamespace
-        trainer = SimpleNamespace(mode=run.pop("mode", "sync"), partial_rollout=True)
+        from dapo_megatron.config.schema import TrainerConfig
+        trainer = TrainerConfig(mode=run.pop("mode", "sync"), partial_rollout=True)
         self.run = SimpleNamespace(cfg=SimpleNamespace(trainer=trainer), ctx=None, syncing=False,  # ctx: never reached
                                    checkpoint="/ckpt/step_2")
         vars(self.run).update(run)
