@@ -36,6 +36,10 @@ MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group b
 # SIGKILL in the middle of that step's update, as a crash or an OOM kill would. (A crash while the
 # engines generate is the test's killed engine.)
 KILL_AT = "DAPO_KILL_AT"
+# DAPO_KILL_RANK_AT=<step> kills training rank 0's process (SIGKILL from here: one machine) once it
+# runs that step's update, as an OOM kill of a rank would; once: the restarted ranks live. Watched
+# from here, not by a test's scan of every process: a scan missed the tiny update's second.
+KILL_RANK_AT = "DAPO_KILL_RANK_AT"
 
 
 @contextlib.contextmanager
@@ -48,6 +52,21 @@ def _kill_during(phase: str, step: int, delay_s: float = 0.3):
     yield
     if armed:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_rank_during(step: int, train) -> None:
+    if os.environ.get(KILL_RANK_AT) != str(step):
+        return
+    import psutil
+    os.environ.pop(KILL_RANK_AT)
+    rank = psutil.Process(ray.get(train.workers[0].pid.remote()))
+
+    def kill():
+        deadline = time.monotonic() + 120
+        while not " ".join(rank.cmdline()).startswith("ray::TrainWorker.step_update") and time.monotonic() < deadline:
+            time.sleep(0.005)
+        rank.kill()
+    threading.Thread(target=kill, daemon=True).start()
 
 
 @dataclass
@@ -153,6 +172,7 @@ def train_step(run: Run) -> dict:
             with run.timed("ref"):
                 written, _ = ctx.train.step_logprobs(step, "ref")
             step.fields += tuple(written)
+        _kill_rank_during(run.step + 1, ctx.train)
         with _kill_during("update", run.step + 1), run.timed("update"):
             metrics = ctx.train.step_update(step)
     finally:  # the step's rows, consumed (or failed); what the data plane still holds

@@ -42,6 +42,9 @@ class TrainWorker:
         self.plane = dataplane.connect(data_plane) if data_plane is not None else None
         self.peaks: dict[str, float] = {}  # phase -> peak device memory (GiB) where the device reports it
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def address(self) -> tuple[str, int]:
         """Where rank 0 listens for the process group (asked of rank 0 only)."""
         return ray.util.get_node_ip_address(), free_port("")
