@@ -14,8 +14,15 @@ generators (Mersenne Twister) do not have, so the engine died (`CPU Generator do
 offset`). Each seeded request gets a `RewindableGenerator` instead: its state is saved before
 every sampling call, and the rewind restores it, so a discarded draw consumes nothing, as on
 CUDA. A prompt's responses then depend on its seed only, not on how its prefill was chunked.
+
+Small helpers, eager. vLLM compiles a few helpers with inductor at import (`_EAGER`: the sampled
+token's rank, a TP engine's vocabulary mask); on a CPU each is a C++ build in the first call of
+every engine process (2-4 s with inductor's cache warm, more on a fresh machine: its precompiled
+header alone is ~0.7 GB) for a comparison and a sum. Their own Python runs instead.
 """
 from __future__ import annotations
+
+import importlib
 
 import torch
 
@@ -58,9 +65,23 @@ def _repack_experts_on_update() -> None:
     UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
 
 
+# (module, function) that vLLM wraps in torch.compile and that our engines call
+_EAGER = (("vllm.v1.sample.sampler", "batched_count_greater_than"),
+          ("vllm.model_executor.layers.vocab_parallel_embedding", "get_masked_input_and_mask"))
+
+
+def _uncompiled() -> None:
+    for module_name, name in _EAGER:
+        module = importlib.import_module(module_name)
+        fn = getattr(module, name)
+        setattr(module, name, getattr(fn, "_torchdynamo_orig_callable", fn))
+
+
 def install(model_runner) -> None:
-    """Experts repacked on weight updates; seeded requests get rewindable generators. Idempotent."""
+    """Experts repacked on weight updates; seeded requests get rewindable generators; token ranks
+    counted eager. Idempotent."""
     _repack_experts_on_update()
+    _uncompiled()
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
     if not getattr(CachedRequestState, "_dapo_rewindable", False):
         post_init = CachedRequestState.__post_init__
