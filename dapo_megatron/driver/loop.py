@@ -36,10 +36,12 @@ MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group b
 # SIGKILL in the middle of that step's update, as a crash or an OOM kill would. (A crash while the
 # engines generate is the test's killed engine.)
 KILL_AT = "DAPO_KILL_AT"
-# DAPO_KILL_RANK_AT=<step> kills training rank 0's process (SIGKILL from here: one machine) once it
-# runs that step's update, as an OOM kill of a rank would; once: the restarted ranks live. Watched
-# from here, not by a test's scan of every process: a scan missed the tiny update's second.
+# DAPO_KILL_RANK_AT=<update|sync>:<step> kills training rank 0's process (SIGKILL from here: one
+# machine) once it runs that step's update or weight push, as an OOM kill of a rank would; once:
+# the restarted ranks live. Watched from here, not by a test's scan of every process: a scan
+# missed the tiny update's second.
 KILL_RANK_AT = "DAPO_KILL_RANK_AT"
+_RANK_METHODS = {"update": "step_update", "sync": "push_weights"}
 
 
 @contextlib.contextmanager
@@ -54,8 +56,8 @@ def _kill_during(phase: str, step: int, delay_s: float = 0.3):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _kill_rank_during(step: int, train) -> None:
-    if os.environ.get(KILL_RANK_AT) != str(step):
+def _kill_rank_during(phase: str, step: int, train) -> None:
+    if os.environ.get(KILL_RANK_AT) != f"{phase}:{step}":
         return
     import psutil
     os.environ.pop(KILL_RANK_AT)
@@ -63,7 +65,8 @@ def _kill_rank_during(step: int, train) -> None:
 
     def kill():
         deadline = time.monotonic() + 120
-        while not " ".join(rank.cmdline()).startswith("ray::TrainWorker.step_update") and time.monotonic() < deadline:
+        title = f"ray::TrainWorker.{_RANK_METHODS[phase]}"
+        while not " ".join(rank.cmdline()).startswith(title) and time.monotonic() < deadline:
             time.sleep(0.005)
         rank.kill()
     threading.Thread(target=kill, daemon=True).start()
@@ -85,15 +88,15 @@ class Run:
     checkpoint: Optional[str] = None  # the newest this run saved or resumed from (a restart's)
     deaths: object = None  # the manager's long poll for dead engines (driver/recovery.py)
     engine_restarts: int = 0
-    syncing: bool = False  # in a weight sync (`in_sync`)
+    syncing: Optional[str] = None  # the weight sync under way (`in_sync`)
 
     @contextlib.contextmanager
-    def in_sync(self):
-        """Around a weight sync: a rank that dies inside it may leave an engine mid-receive, so its
-        restart keeps no role (`recovery.keep_roles`); left set when the sync raises."""
-        self.syncing = True
+    def in_sync(self, what: str):
+        """Around a weight sync (`what`: step, resume or replacement): a rank that dies inside one
+        may leave roles that cannot be kept (`recovery.keep_roles`); left set when the sync raises."""
+        self.syncing = what
         yield
-        self.syncing = False
+        self.syncing = None
 
     @contextlib.contextmanager
     def timed(self, name: str, what=()):
@@ -172,7 +175,7 @@ def train_step(run: Run) -> dict:
             with run.timed("ref"):
                 written, _ = ctx.train.step_logprobs(step, "ref")
             step.fields += tuple(written)
-        _kill_rank_during(run.step + 1, ctx.train)
+        _kill_rank_during("update", run.step + 1, ctx.train)
         with _kill_during("update", run.step + 1), run.timed("update"):
             metrics = ctx.train.step_update(step)
     finally:  # the step's rows, consumed (or failed); what the data plane still holds
@@ -183,7 +186,8 @@ def train_step(run: Run) -> dict:
             for request in run.pending:
                 wait_manager(run, request.ref, get=False)
     lost = [] if replaces_in_sync(cfg) else None  # engines that die in the sync (the rest synced)
-    with run.timed("sync"), run.in_sync():
+    _kill_rank_during("sync", run.step + 1, ctx.train)
+    with run.timed("sync"), run.in_sync("step"):
         run.syncs += 1
         metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync, lost=lost,
                                           verify=setup.verify_due(cfg, run.syncs), version=run.syncs))

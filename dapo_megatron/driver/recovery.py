@@ -100,7 +100,7 @@ def replace(run, death: Death, reported: bool = True) -> None:
         if params:
             roles.as_role("actor", ctx.train.onload, params)
         try:
-            with run.in_sync():
+            with run.in_sync("replacement"):
                 setup.sync_weights(ctx.train, [new], cfg.rollout.sync, verify=True, version=run.syncs)
         finally:
             if params:
@@ -156,14 +156,14 @@ def keep_roles(run, died: roles.RoleDied) -> Optional[Kept]:
     of a 30B run takes minutes to start (weights read, graphs captured) and does not depend on
     the ranks: it, the rollout manager and the data plane stay, and the restart's resume syncs
     the checkpoint's weights into them. Only when that is safe: the rank's process died (Ray
-    says WORKER_DIED; a lost node takes other roles along), not during the weight sync (an engine
-    may be inside a receive from it), a checkpoint exists (the engines hold later weights than
+    says WORKER_DIED; a lost node takes other roles along), not in a weight sync the engines
+    cannot be left in (`_sync_keeps`), a checkpoint exists (the engines hold later weights than
     the start), no async partial rollouts in flight, and the others answer. Else None: every
     role goes with this Ray, as before. Kept, the surviving ranks are killed (they wait in a
     collective with the dead one until trainer.dist_timeout_s)."""
     cfg, ctx = run.cfg, run.ctx
     rank = getattr(died, "rank", None)
-    if rank is None or run.syncing or run.checkpoint is None or cfg.trainer.carries_in_flight:
+    if rank is None or not _sync_keeps(run) or run.checkpoint is None or cfg.trainer.carries_in_flight:
         return None
     if death_reason(rank, KEEP_CHECK_S) != "WORKER_DIED":
         return None
@@ -177,6 +177,15 @@ def keep_roles(run, died: roles.RoleDied) -> Optional[Kept]:
         print(f"the other roles cannot be kept ({str(exc).splitlines()[0]}); all of them start again", flush=True)
         return None
     return Kept(ctx, run.deaths, run.engine_restarts)
+
+
+def _sync_keeps(run) -> bool:
+    """No weight sync under way, or one whose engines stay fit to keep: object_store's engines get
+    whole `load_weights` calls only, and `setup.sync_weights` closes every engine's update however
+    the push ended (mixed weights, which the resume's sync replaces, checksummed). Not broadcast
+    (its receivers wait in a collective with the dead rank), nor a replacement's sync (the manager
+    does not hold the new engine yet)."""
+    return run.syncing is None or (run.syncing != "replacement" and run.cfg.rollout.sync.transport == "object_store")
 
 
 def death_reason(actor, wait_s: float) -> Optional[str]:

@@ -264,7 +264,7 @@ def resume(run) -> None:
         raise CheckpointError(str(getattr(exc, "cause", None) or exc)) from None
     run.step, run.syncs, run.checkpoint = state["step"], state["syncs"], path
     roles.get("rollout manager", run.ctx.manager.load_state_dict.remote(state))
-    with run.in_sync():  # new engines hold the HF weights, kept ones later ones: the checkpoint's go in
+    with run.in_sync("resume"):  # new engines hold the HF weights, kept ones later ones: the checkpoint's go in
         sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync,
                      verify=run.cfg.rollout.sync.verify_every > 0, version=run.syncs)
     moved = run.logger.rewind(run.step)

@@ -49,7 +49,7 @@ def one_step_off(tiny_assets, tmp_path_factory):
         "trainer.mode": "one_step_off", "trainer.max_staleness": 1, "algorithm.filter_groups.mode": "sync",
         "trainer.max_restarts": 1})
     cfg = load_config("quickstart_async", overrides)
-    os.environ[KILL_RANK_AT] = "2"  # the driver, this process, kills the rank in step 2's update
+    os.environ[KILL_RANK_AT] = "update:2"  # the driver, this process, kills the rank in step 2's update
     try:
         assert run(cfg) == 0
     finally:

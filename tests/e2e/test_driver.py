@@ -510,9 +510,11 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
     them joined by `ray start --address`, `ray job submit`: the driver finds the cluster through
     RAY_ADDRESS) in early-stop mode (aborts push prompts back to the stream): its engine killed -9
     in step 2's generation and replaced in the step (rollout.max_engine_restarts: the dead
-    engine's prompts generated again); a training rank killed -9 in step 3's update, and the run
-    restarts itself from step 2's checkpoint (trainer.max_restarts) with new training ranks
-    beside the engine, rollout manager and data plane it kept; the node killed (its raylet
+    engine's prompts generated again); a training rank killed -9 in step 3's weight push (the
+    engine left with part of the new weights: the sync closes its update), and the run restarts
+    itself from step 2's checkpoint (trainer.max_restarts) with new training ranks beside the
+    engine, rollout manager and data plane it kept, whose resume syncs the checkpoint's weights
+    into the engine, checksummed; the node killed (its raylet
     and workers, kill -9) in step 4's update: the run restarts from step 3's, its placement waits
     with a line on the console, a node with the same CPUs joins, and the run finishes. Then one
     flipped bit in the newest checkpoint stops the next resume with one line naming the file. No
@@ -551,8 +553,8 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
         cluster.add_node()  # the node comes back (or another takes its place)
 
     # the nodes' processes, the job's driver among them, inherit these: the engine killed in step 2's
-    # generation, training rank 0 in step 3's update
-    cluster = _Cluster({**os.environ, KILL_ENGINE_AT: "2", KILL_RANK_AT: "3"})
+    # generation, training rank 0 in step 3's weight push
+    cluster = _Cluster({**os.environ, KILL_ENGINE_AT: "2", KILL_RANK_AT: "sync:3"})
     try:
         # A driver started by hand on this head (no RAY_ADDRESS) joins it, as `ray job submit`'s does.
         with pytest.MonkeyPatch.context() as mp:

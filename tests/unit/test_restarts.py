@@ -67,23 +67,27 @@ class _Died:
 
     def __init__(self, **run):
         from types import SimpleNamespace
-        from dapo_megatron.config.schema import TrainerConfig
+        from dapo_megatron.config.schema import SyncConfig, TrainerConfig
         trainer = TrainerConfig(mode=run.pop("mode", "sync"), partial_rollout=True)
-        self.run = SimpleNamespace(cfg=SimpleNamespace(trainer=trainer), ctx=None, syncing=False,  # ctx: never reached
-                                   checkpoint="/ckpt/step_2")
+        rollout = SimpleNamespace(sync=SyncConfig(transport=run.pop("transport", "object_store")))
+        self.run = SimpleNamespace(cfg=SimpleNamespace(trainer=trainer, rollout=rollout), ctx=None,  # ctx: never reached
+                                   syncing=None, checkpoint="/ckpt/step_2")
         vars(self.run).update(run)
         self.died = roles.RoleDied("the training rank 1 died: gone")
         self.died.rank = "rank-1"
 
 
-@pytest.mark.parametrize("why", ["no rank", "syncing", "no checkpoint", "async partial", "node died"])
+@pytest.mark.parametrize("why", ["no rank", "broadcast sync", "replacement's sync", "no checkpoint", "async partial",
+                                 "node died"])
 def test_keep_roles_refuses_what_a_kept_engine_could_not_survive(why, monkeypatch):
-    """None (every role restarts) when the death is not a rank's own process, or came in the
-    weight sync, before any checkpoint, or with async partial rollouts in flight; the ranks are
-    not even killed then (the Ray shutdown takes them). The kept path itself runs on real roles:
-    tests/e2e/test_driver.py's crash chain."""
+    """None (every role restarts) when the death is not a rank's own process, or came in a
+    broadcast weight sync or a replacement engine's, before any checkpoint, or with async partial
+    rollouts in flight; the ranks are not even killed then (the Ray shutdown takes them). The
+    kept path itself runs on real roles: tests/e2e/test_driver.py's crash chain (a rank killed in
+    an object-store sync) and test_async.py's one_step_off run (in an update)."""
     from dapo_megatron.driver import recovery
-    case = _Died(**{"syncing": {"syncing": True}, "no checkpoint": {"checkpoint": None},
+    case = _Died(**{"broadcast sync": {"syncing": "step", "transport": "broadcast"},
+                    "replacement's sync": {"syncing": "replacement"}, "no checkpoint": {"checkpoint": None},
                     "async partial": {"mode": "async"}}.get(why, {}))
     if why == "no rank":
         case.died.rank = None
@@ -92,6 +96,17 @@ def test_keep_roles_refuses_what_a_kept_engine_could_not_survive(why, monkeypatc
         "NODE_DIED" if why == "node died" else "WORKER_DIED"))
     assert recovery.keep_roles(case.run, case.died) is None
     assert reasons == (["rank-1"] if why == "node died" else [])
+
+
+@pytest.mark.parametrize("syncing, transport, keeps", [
+    (None, "broadcast", True), ("step", "object_store", True), ("resume", "object_store", True),
+    ("step", "broadcast", False), ("resume", "broadcast", False), ("replacement", "object_store", False)])
+def test_a_rank_dead_in_an_object_store_sync_may_leave_the_roles(syncing, transport, keeps):
+    """sync_weights closes every engine's update however the push ended, so an object-store sync
+    leaves them fit to keep; a broadcast receiver waits on the dead rank, a replacement's new
+    engine is not the manager's yet."""
+    from dapo_megatron.driver.recovery import _sync_keeps
+    assert _sync_keeps(_Died(syncing=syncing, transport=transport).run) is keeps
 
 
 def test_an_attempt_that_saved_nothing_restarts_as_the_run_started(tmp_path, monkeypatch):
