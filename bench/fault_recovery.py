@@ -8,6 +8,7 @@ Two runs of the quickstart as a user starts it (`python -m dapo_megatron.main`, 
   rank:   trainer.max_restarts=1 and a checkpoint every 2 steps; training rank 0's process killed
           in step `--at`'s update (found by its process title); the run restarts itself from the
           newest checkpoint (since 2026-11-29 with new training ranks beside the roles it keeps).
+  rank-sync: the same, killed in the step's weight push (roles kept since 6221d82).
 `--baseline COMMIT` runs the same first from that commit (a temporary git worktree).
 For each: the time from the kill to serving again (engine: the replacement holds the weights and
 takes requests; rank: the restarted run's first phase done), to the end of the next finished
@@ -50,15 +51,16 @@ def _run(tree: str, out: str, steps: int, overrides: list[str], env: dict, on_st
         raise SystemExit(f"the quickstart failed:\n{err[-3000:]}")
 
 
-def _kill_rank_in_update(out: str, step: int, killed: list) -> threading.Thread:
-    """kill -9 training rank 0 once `step - 1` steps are logged and it runs step_update."""
+def _kill_rank_in(method: str, out: str, step: int, killed: list) -> threading.Thread:
+    """kill -9 a training rank once `step - 1` steps are logged and it runs `method` (its process
+    title: a scan, not the driver's DAPO_KILL_RANK_AT hook, which a baseline may lack)."""
     def watch():
         metrics = os.path.join(out, "metrics.jsonl")
         while len(_lines(metrics)) < step - 1:
             time.sleep(0.05)
         while not killed:
             for proc in psutil.process_iter(["cmdline"]):
-                if " ".join(proc.info["cmdline"] or []).startswith("ray::TrainWorker.step_update"):
+                if " ".join(proc.info["cmdline"] or []).startswith(f"ray::TrainWorker.{method}"):
                     os.kill(proc.pid, signal.SIGKILL)
                     killed.append(time.time())
                     return
@@ -89,17 +91,19 @@ def _engine(tree: str, out: str, args) -> dict:
     return _summary("rollout engine (replaced in the step)", out, died, event["time"])
 
 
-def _rank(tree: str, out: str, args) -> dict:
+def _rank(tree: str, out: str, args, method: str = "step_update", where: str = "update") -> dict:
     killed: list = []
     _run(tree, out, args.steps, ["trainer.max_restarts=1", "trainer.save_freq=2"], {},
-         on_start=lambda _: _kill_rank_in_update(out, args.at, killed))
+         on_start=lambda _: _kill_rank_in(method, out, args.at, killed))
     (event,) = _lines(os.path.join(out, "events.jsonl"))
     resumed = min(ph["end"] for ph in _lines(os.path.join(out, "phases.jsonl")) if ph["end"] > event["time"])
     how = "new ranks, the other roles kept" if event.get("kept") else "every role restarted"
-    return _summary(f"training rank (run restarted from its checkpoint: {how})", out, killed[0], resumed)
+    return _summary(f"training rank in the {where} (run restarted from its checkpoint: {how})", out, killed[0],
+                    resumed)
 
 
-KILLS = {"engine": _engine, "rank": _rank}
+KILLS = {"engine": _engine, "rank": _rank,
+         "rank-sync": lambda tree, out, args: _rank(tree, out, args, "push_weights", "weight push")}
 
 
 def main() -> None:
