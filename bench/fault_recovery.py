@@ -53,7 +53,7 @@ def _run(tree: str, out: str, steps: int, overrides: list[str], env: dict, on_st
 
 def _kill_rank_in(method: str, out: str, step: int, killed: list) -> threading.Thread:
     """kill -9 a training rank once `step - 1` steps are logged and it runs `method` (its process
-    title: a scan, not the driver's DAPO_KILL_RANK_AT hook, which a baseline may lack)."""
+    title: a scan, not the driver's DAPO_KILL_ROLE_AT hook, which a baseline may lack)."""
     def watch():
         metrics = os.path.join(out, "metrics.jsonl")
         while len(_lines(metrics)) < step - 1:

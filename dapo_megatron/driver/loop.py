@@ -36,12 +36,12 @@ MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group b
 # SIGKILL in the middle of that step's update, as a crash or an OOM kill would. (A crash while the
 # engines generate is the test's killed engine.)
 KILL_AT = "DAPO_KILL_AT"
-# DAPO_KILL_RANK_AT=<update|sync>:<step> kills training rank 0's process (SIGKILL from here: one
-# machine) once it runs that step's update or weight push, as an OOM kill of a rank would; once:
-# the restarted ranks live. Watched from here, not by a test's scan of every process: a scan
-# missed the tiny update's second.
-KILL_RANK_AT = "DAPO_KILL_RANK_AT"
-_RANK_METHODS = {"update": "step_update", "sync": "push_weights"}
+# DAPO_KILL_ROLE_AT=<rank|engine>:<update|sync>:<step> kills training rank 0's process once it
+# runs that step's update or weight push, or engine 0's as that step's update or sync begins, with
+# SIGKILL from here (one machine), as an OOM kill would; once: the restarted role lives. Watched
+# from here, not by a test's scan of every process: a scan missed the tiny update's second.
+KILL_ROLE_AT = "DAPO_KILL_ROLE_AT"
+_RANK_TITLES = {"update": "ray::TrainWorker.step_update", "sync": "ray::TrainWorker.push_weights"}
 
 
 @contextlib.contextmanager
@@ -56,19 +56,23 @@ def _kill_during(phase: str, step: int, delay_s: float = 0.3):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _kill_rank_during(phase: str, step: int, train) -> None:
-    if os.environ.get(KILL_RANK_AT) != f"{phase}:{step}":
+def _kill_role_during(phase: str, step: int, ctx: setup.Context) -> None:
+    role, _, at = os.environ.get(KILL_ROLE_AT, "").partition(":")
+    if at != f"{phase}:{step}":
         return
     import psutil
-    os.environ.pop(KILL_RANK_AT)
-    rank = psutil.Process(ray.get(train.workers[0].pid.remote()))
+    os.environ.pop(KILL_ROLE_AT)
+    process = psutil.Process(ray.get((ctx.train.workers[0] if role == "rank" else ctx.engines[0]).pid.remote()))
+    if role == "engine":  # at once: a threaded actor's process title names whichever call started last
+        process.kill()
+        process.wait(30)
+        return
 
     def kill():
         deadline = time.monotonic() + 120
-        title = f"ray::TrainWorker.{_RANK_METHODS[phase]}"
-        while not " ".join(rank.cmdline()).startswith(title) and time.monotonic() < deadline:
+        while not " ".join(process.cmdline()).startswith(_RANK_TITLES[phase]) and time.monotonic() < deadline:
             time.sleep(0.005)
-        rank.kill()
+        process.kill()
     threading.Thread(target=kill, daemon=True).start()
 
 
@@ -175,7 +179,7 @@ def train_step(run: Run) -> dict:
             with run.timed("ref"):
                 written, _ = ctx.train.step_logprobs(step, "ref")
             step.fields += tuple(written)
-        _kill_rank_during("update", run.step + 1, ctx.train)
+        _kill_role_during("update", run.step + 1, ctx)
         with _kill_during("update", run.step + 1), run.timed("update"):
             metrics = ctx.train.step_update(step)
     finally:  # the step's rows, consumed (or failed); what the data plane still holds
@@ -186,7 +190,7 @@ def train_step(run: Run) -> dict:
             for request in run.pending:
                 wait_manager(run, request.ref, get=False)
     lost = [] if replaces_in_sync(cfg) else None  # engines that die in the sync (the rest synced)
-    _kill_rank_during("sync", run.step + 1, ctx.train)
+    _kill_role_during("sync", run.step + 1, ctx)
     with run.timed("sync"), run.in_sync("step"):
         run.syncs += 1
         metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync, lost=lost,

@@ -115,16 +115,19 @@ def replace(run, death: Death, reported: bool = True) -> None:
 
 
 def replaces_in_sync(cfg) -> bool:
-    """Whether an engine that dies in the step's weight sync is replaced after it (the others
-    synced): object_store only (a broadcast group fails whole), and not while the manager
-    collects beside the sync (async partial rollouts: it reports that death itself)."""
-    return (cfg.rollout.max_engine_restarts > 0 and cfg.rollout.sync.transport == "object_store"
-            and not cfg.trainer.carries_in_flight)
+    """Whether the step's weight sync goes on past an engine that dies in it (the others synced)
+    and the engine is replaced: object_store only (a broadcast group fails whole)."""
+    return cfg.rollout.max_engine_restarts > 0 and cfg.rollout.sync.transport == "object_store"
 
 
 def replace_lost_in_sync(run, lost: list[int]) -> None:
     """Engines that died in the step's weight sync, replaced once it is done, within
-    rollout.max_engine_restarts (then the run stops, or restarts under trainer.max_restarts)."""
+    rollout.max_engine_restarts (then the run stops, or restarts under trainer.max_restarts).
+    With async partial rollouts the manager collects beside the sync: its next call to the dead
+    engine reports the death (and requeues the groups it held), and the driver replaces it when
+    it next waits for a batch (`wait_manager`), counted once."""
+    if run.cfg.trainer.carries_in_flight:
+        return
     limit = run.cfg.rollout.max_engine_restarts
     for i in lost:
         if run.engine_restarts >= limit:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -41,7 +42,7 @@ def one_step_off(tiny_assets, tmp_path_factory):
     import ray
 
     from dapo_megatron.config import load_config
-    from dapo_megatron.driver.loop import KILL_RANK_AT, run
+    from dapo_megatron.driver.loop import KILL_ROLE_AT, run
     out = tmp_path_factory.mktemp("one_step_off") / "run"
     overrides = _overrides(tiny_assets, out, 3, **{
         "data.val_files": f"[{tiny_assets / 'data' / 'val.parquet'}]", "data.gen_batch_size": BATCH,
@@ -49,12 +50,12 @@ def one_step_off(tiny_assets, tmp_path_factory):
         "trainer.mode": "one_step_off", "trainer.max_staleness": 1, "algorithm.filter_groups.mode": "sync",
         "trainer.max_restarts": 1})
     cfg = load_config("quickstart_async", overrides)
-    os.environ[KILL_RANK_AT] = "update:2"  # the driver, this process, kills the rank in step 2's update
+    os.environ[KILL_ROLE_AT] = "rank:update:2"  # the driver, this process, kills the rank in step 2's update
     try:
         assert run(cfg) == 0
     finally:
         ray.shutdown()
-        os.environ.pop(KILL_RANK_AT, None)
+        os.environ.pop(KILL_ROLE_AT, None)
     return out, [json.loads(line) for line in open(out / "metrics.jsonl")]
 
 
@@ -105,27 +106,32 @@ ASYNC_STEPS = 5
 
 @pytest.fixture(scope="module")
 def async_killed_then_resumed(tiny_assets, tmp_path_factory):
-    """Two processes as a user runs them: killed -9 in step 3's update, then the same command."""
-    from dapo_megatron.driver.loop import KILL_AT
+    """Two processes as a user runs them: killed -9 in step 3's update, then the same command.
+    The first also loses its engine (kill -9) in step 1's weight sync."""
+    from dapo_megatron.driver.loop import KILL_AT, KILL_ROLE_AT
     out = tmp_path_factory.mktemp("async") / "run"
     # actor.ppo_epochs=2: a slowed trainer, so the manager runs ahead to the bound
-    overrides = _overrides(tiny_assets, out, ASYNC_STEPS, **{"data.gen_batch_size": 6, "actor.ppo_epochs": 2})
+    overrides = _overrides(tiny_assets, out, ASYNC_STEPS, **{"data.gen_batch_size": 6, "actor.ppo_epochs": 2,
+                                                             "rollout.max_engine_restarts": 1})
     cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart_async", *overrides]
-    env = {k: v for k, v in os.environ.items() if k != KILL_AT}
+    env = {k: v for k, v in os.environ.items() if k not in (KILL_AT, KILL_ROLE_AT)}
     env["RAY_ADDRESS"] = "local"  # a Ray of each run's own
-    killed = subprocess.run(cmd, env={**env, KILL_AT: "update:3"}, capture_output=True, text=True, timeout=600)
+    killed = subprocess.run(cmd, env={**env, KILL_AT: "update:3", KILL_ROLE_AT: "engine:sync:1"},
+                            capture_output=True, text=True, timeout=600)
     assert killed.returncode == -9, killed.stderr[-3000:]
     rows_killed = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+    events = [json.loads(line) for line in open(out / "events.jsonl")]
     resumed = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    return out, rows_killed, resumed.stdout, [json.loads(line) for line in open(out / "metrics.jsonl")]
+    return out, rows_killed, resumed.stdout, [json.loads(line) for line in open(out / "metrics.jsonl")], \
+        killed.stdout, events
 
 
 def test_async_trains_no_token_older_than_max_staleness(async_killed_then_resumed):
     """The driver checks every response's recorded versions (it stops on a lag past the bound);
     here the bound is reached: the tiny engine generates faster than the rank trains two epochs,
     so the manager runs max_staleness batches ahead. Each run's first batch is the start weights'."""
-    _, _, _, rows = async_killed_then_resumed
+    rows = async_killed_then_resumed[3]
     lags = [r["rollout/staleness_max"] for r in rows]
     assert max(lags) == 2.0 and lags[0] == lags[2] == 0.0, lags  # trainer.max_staleness=2 in quickstart_async
     assert all(0.0 <= r["rollout/partial_frac"] <= 1.0 and 0.0 <= r["timing/engine_idle_frac"] <= 1.0 for r in rows)
@@ -133,7 +139,7 @@ def test_async_trains_no_token_older_than_max_staleness(async_killed_then_resume
 
 
 def test_async_killed_mid_update_resumes_with_every_prompt_trained_once(async_killed_then_resumed):
-    out, rows_killed, stdout, rows = async_killed_then_resumed
+    out, rows_killed, stdout, rows = async_killed_then_resumed[:4]
     assert rows_killed == [1, 2] and [r["step"] for r in rows] == [1, 2, 3, 4, 5]
     assert f"resumed from {out / 'checkpoints' / 'step_2'} at step 2" in stdout, stdout[-3000:]
     # Each step took from the stream exactly the prompts it scored, less those of the groups it
@@ -149,3 +155,15 @@ def test_async_killed_mid_update_resumes_with_every_prompt_trained_once(async_ki
     assert [_saved_position(out, s) for s in (4, 5)] == [rows[3]["data/prompts_consumed"] - carried[3],
                                                          rows[4]["data/prompts_consumed"] - carried[4]]
     assert rows[-1]["data_plane/resident_mb"] == 0
+
+
+def test_async_engine_dead_in_the_weight_push_is_replaced_by_the_managers_report(async_killed_then_resumed):
+    """The engine killed in step 1's weight sync, while the manager generates the next batches
+    beside the sync (partial rollouts): the sync finishes without it, the manager's next call to it
+    reports the death and generates its groups again (counted exactly: the test above), and the
+    driver replaces it when it next waits for a batch, before step 3's update. Was: the sync
+    stopped the run."""
+    killed_stdout, events = async_killed_then_resumed[4:]
+    (event,) = events  # the resumed run lost nothing
+    assert event["event"] == "engine_restart" and event["restart"] == 1 and event["step"] in (1, 2), event
+    assert re.search(r"step [23]: rollout engine 0 replaced in", killed_stdout), killed_stdout[-3000:]

@@ -523,7 +523,7 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
     (A driver killed -9 and resumed by hand: test_async.)"""
     import ray
 
-    from dapo_megatron.driver.loop import KILL_RANK_AT
+    from dapo_megatron.driver.loop import KILL_ROLE_AT
     from dapo_megatron.driver.placement import cluster_address
     from dapo_megatron.driver.recovery import KEPT
     from dapo_megatron.main import main
@@ -554,7 +554,7 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
 
     # the nodes' processes, the job's driver among them, inherit these: the engine killed in step 2's
     # generation, training rank 0 in step 3's weight push
-    cluster = _Cluster({**os.environ, KILL_ENGINE_AT: "2", KILL_RANK_AT: "sync:3"})
+    cluster = _Cluster({**os.environ, KILL_ENGINE_AT: "2", KILL_ROLE_AT: "rank:sync:3"})
     try:
         # A driver started by hand on this head (no RAY_ADDRESS) joins it, as `ray job submit`'s does.
         with pytest.MonkeyPatch.context() as mp:
