@@ -78,8 +78,8 @@ def _uncompiled() -> None:
 
 
 def install(model_runner) -> None:
-    """Experts repacked on weight updates; seeded requests get rewindable generators; token ranks
-    counted eager. Idempotent."""
+    """Experts repacked on weight updates; seeded requests get rewindable generators; vLLM's
+    compiled helpers run eager. Idempotent."""
     _repack_experts_on_update()
     _uncompiled()
     from vllm.v1.worker.gpu_input_batch import CachedRequestState
