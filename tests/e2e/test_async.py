@@ -157,8 +157,8 @@ def test_async_killed_mid_update_resumes_with_every_prompt_trained_once(async_ki
     assert rows[-1]["data_plane/resident_mb"] == 0
 
 
-def test_async_engine_dead_in_the_weight_push_is_replaced_by_the_managers_report(async_killed_then_resumed):
-    """The engine killed in step 1's weight sync, while the manager generates the next batches
+def test_async_engine_dead_in_the_weight_sync_is_replaced_by_the_managers_report(async_killed_then_resumed):
+    """The engine killed as step 1's weight sync begins, while the manager generates the next batches
     beside the sync (partial rollouts): the sync finishes without it, the manager's next call to it
     reports the death and generates its groups again (counted exactly: the test above), and the
     driver replaces it when it next waits for a batch, before step 3's update. Was: the sync
