@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import os
 import signal
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ import torch
 from dapo_megatron import roles
 from dapo_megatron.algo import compute_grpo_advantages
 from dapo_megatron.config import DapoConfig
-from dapo_megatron.driver import setup
+from dapo_megatron.driver import faults, setup
 from dapo_megatron.driver.colocate import TimeShare
 from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, write_event
 from dapo_megatron.driver.recovery import (KEPT, Kept, RoleWatch, drop_pending, keep_roles, replace_lost_in_sync,
@@ -32,48 +31,6 @@ from dapo_megatron.logs import LOGS
 
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group before giving up
-# Test hook (tests/e2e/test_driver.py): DAPO_KILL_AT=update:<step> kills this process with
-# SIGKILL in the middle of that step's update, as a crash or an OOM kill would. (A crash while the
-# engines generate is the test's killed engine.)
-KILL_AT = "DAPO_KILL_AT"
-# DAPO_KILL_ROLE_AT=<rank|engine>:<update|sync>:<step> kills training rank 0's process once it
-# runs that step's update or weight push, or engine 0's as that step's update or sync begins, with
-# SIGKILL from here (one machine), as an OOM kill would; once: the restarted role lives. Watched
-# from here, not by a test's scan of every process: a scan missed the tiny update's second.
-KILL_ROLE_AT = "DAPO_KILL_ROLE_AT"
-_RANK_TITLES = {"update": "ray::TrainWorker.step_update", "sync": "ray::TrainWorker.push_weights"}
-
-
-@contextlib.contextmanager
-def _kill_during(phase: str, step: int, delay_s: float = 0.3):
-    """Around a phase: the SIGKILL comes `delay_s` into it, or at its end when the phase is faster
-    (a quiet machine updated the tiny test model in less than 0.3 s and logged the step first)."""
-    armed = os.environ.get(KILL_AT) == f"{phase}:{step}"
-    if armed:
-        threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGKILL)).start()
-    yield
-    if armed:
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _kill_role_during(phase: str, step: int, ctx: setup.Context) -> None:
-    role, _, at = os.environ.get(KILL_ROLE_AT, "").partition(":")
-    if at != f"{phase}:{step}":
-        return
-    import psutil
-    os.environ.pop(KILL_ROLE_AT)
-    process = psutil.Process(ray.get((ctx.train.workers[0] if role == "rank" else ctx.engines[0]).pid.remote()))
-    if role == "engine":  # at once: a threaded actor's process title names whichever call started last
-        process.kill()
-        process.wait(30)
-        return
-
-    def kill():
-        deadline = time.monotonic() + 120
-        while not " ".join(process.cmdline()).startswith(_RANK_TITLES[phase]) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        process.kill()
-    threading.Thread(target=kill, daemon=True).start()
 
 
 @dataclass
@@ -179,8 +136,7 @@ def train_step(run: Run) -> dict:
             with run.timed("ref"):
                 written, _ = ctx.train.step_logprobs(step, "ref")
             step.fields += tuple(written)
-        _kill_role_during("update", run.step + 1, ctx)
-        with _kill_during("update", run.step + 1), run.timed("update"):
+        with faults.injected("update", run.step + 1, ctx), run.timed("update"):
             metrics = ctx.train.step_update(step)
     finally:  # the step's rows, consumed (or failed); what the data plane still holds
         resident = roles.get("rollout manager", ctx.manager.release.remote(step.partition))
@@ -190,8 +146,7 @@ def train_step(run: Run) -> dict:
             for request in run.pending:
                 wait_manager(run, request.ref, get=False)
     lost = [] if replaces_in_sync(cfg) else None  # engines that die in the sync (the rest synced)
-    _kill_role_during("sync", run.step + 1, ctx)
-    with run.timed("sync"), run.in_sync("step"):
+    with faults.injected("sync", run.step + 1, ctx), run.timed("sync"), run.in_sync("step"):
         run.syncs += 1
         metrics.update(setup.sync_weights(ctx.train, ctx.engines, cfg.rollout.sync, lost=lost,
                                           verify=setup.verify_due(cfg, run.syncs), version=run.syncs))

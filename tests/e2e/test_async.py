@@ -42,7 +42,8 @@ def one_step_off(tiny_assets, tmp_path_factory):
     import ray
 
     from dapo_megatron.config import load_config
-    from dapo_megatron.driver.loop import KILL_ROLE_AT, run
+    from dapo_megatron.driver.faults import KILL_ROLE_AT
+    from dapo_megatron.driver.loop import run
     out = tmp_path_factory.mktemp("one_step_off") / "run"
     overrides = _overrides(tiny_assets, out, 3, **{
         "data.val_files": f"[{tiny_assets / 'data' / 'val.parquet'}]", "data.gen_batch_size": BATCH,
@@ -108,7 +109,7 @@ ASYNC_STEPS = 5
 def async_killed_then_resumed(tiny_assets, tmp_path_factory):
     """Two processes as a user runs them: killed -9 in step 3's update, then the same command.
     The first also loses its engine (kill -9) in step 1's weight sync."""
-    from dapo_megatron.driver.loop import KILL_AT, KILL_ROLE_AT
+    from dapo_megatron.driver.faults import KILL_AT, KILL_ROLE_AT
     out = tmp_path_factory.mktemp("async") / "run"
     # actor.ppo_epochs=2: a slowed trainer, so the manager runs ahead to the bound
     overrides = _overrides(tiny_assets, out, ASYNC_STEPS, **{"data.gen_batch_size": 6, "actor.ppo_epochs": 2,

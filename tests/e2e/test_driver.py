@@ -523,7 +523,7 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
     (A driver killed -9 and resumed by hand: test_async.)"""
     import ray
 
-    from dapo_megatron.driver.loop import KILL_ROLE_AT
+    from dapo_megatron.driver.faults import KILL_ROLE_AT
     from dapo_megatron.driver.placement import cluster_address
     from dapo_megatron.driver.recovery import KEPT
     from dapo_megatron.main import main
