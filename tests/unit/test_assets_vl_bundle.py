@@ -167,6 +167,7 @@ def test_warmup_steps_lower_the_loss(cold, processor):
 
 
 @pytest.mark.slow
+@pytest.mark.background  # ~150 s of one core, its asserts on what it computes: beside the phases
 def test_warm_bundle_built_on_first_use(tmp_path_factory):
     """The real first use (~3 min): tiny://qwen3_vl_moe builds the warmed bundle, whose manifest
     accuracy clears the floor with headroom left, and the saved checkpoint IS the warmed model:
