@@ -4,9 +4,10 @@ xdist worker: this checkout against an earlier commit, alternated in one run.
     python bench/unit_phase.py [--baseline a84b4be] [--rounds 1] [--top 4]
 
 Each run builds the tool task's bundle beside the phase into a fresh `$DAPO_TEST_BUNDLES` and runs
-`pytest -n 2 tests/unit` with one OpenMP thread, as the test command does, from this checkout and
-from the baseline commit checked out into a temporary git worktree (`--baseline none`: this
-checkout only), with this venv. A pytest plugin (`_test_times.py`, beside this file) logs each
+`pytest -n 2 -m "not background" tests/unit` with one OpenMP thread, as the test command does (the
+tests marked `background` it runs beside the phases at idle priority: `bench/suite_phases.py`), from
+this checkout and from the baseline commit checked out into a temporary git worktree (`--baseline
+none`: this checkout only), with this venv. A pytest plugin (`_test_times.py`, beside this file) logs each
 test's start and end on its worker. Prints, per run: the phase's wall time, when each worker
 finished, the worker-seconds left idle before the phase ended, when the bundle's build ended, and
 the `--top` longest tests with their worker and start -> end (seconds from the phase's start).
@@ -42,7 +43,8 @@ def _run(tree: str, tmp: str) -> dict:
     waiter = threading.Thread(target=lambda: builder.wait() == 0 and built.append(time.time() - start))
     waiter.start()
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "_test_times",
-                           "-n", "2", "tests/unit"], cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
+                           "-n", "2", "-m", "not background", "tests/unit"], cwd=tree, env=env, capture_output=True,
+                          text=True, timeout=3600)
     waiter.join()
     wall = time.time() - start
     if proc.returncode:
@@ -68,7 +70,8 @@ def main() -> None:
         for r in range(args.rounds):
             for name, tree in trees:
                 rows.append((f"{name}, {r + 1}", _run(tree, tempfile.mkdtemp(dir=tmp))))
-    print("\nunit phase (`pytest -n 2 tests/unit`, the tool bundle built beside it), seconds from its start")
+    print("\nunit phase (`pytest -n 2 -m 'not background' tests/unit`, the tool bundle built beside it), seconds from "
+          "its start")
     print("| run | phase | workers done at | worker-s idle | bundle built at | longest tests (worker: start -> end) |")
     print("|---|---|---|---|---|---|")
     for name, m in rows:
