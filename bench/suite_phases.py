@@ -1,7 +1,7 @@
 """The test command's wall time by phase, and how much of the two cores each phase keeps busy:
 this checkout against an earlier commit, one after the other in one run.
 
-    python bench/suite_phases.py [--baseline 37cb238] [--every 2]
+    python bench/suite_phases.py [--baseline 37cb238] [--every 2] [--logs DIR]
 
 Runs each tree's own `launch/run_tests.sh` (the README's test command, what CI runs) with this
 checkout's venv: linked into the baseline's worktree, with the set-up stamp its files ask for
@@ -11,7 +11,7 @@ pytest prints at its end (`N passed ... in S s`); the tests marked `background` 
 priority beside the phases since 9769318) end when their pytest process does. Prints per run:
 each phase's wall time and the share of the two cores busy in it, the background tests' end,
 the total. A CPU-bound machine shows in the busy share; the end-to-end phase's idle third is what
-the background tests take.
+the background tests take. `--logs`: each run's output (its per-phase slowest tests) saved there.
 """
 from __future__ import annotations
 
@@ -48,7 +48,7 @@ def _stamp(tree: str) -> str:
     return ".dapo-setup-" + hashlib.sha256((src + b"cpu").rstrip(b"\n")).hexdigest()[:16]
 
 
-def _run(tree: str, every: float) -> dict:
+def _run(tree: str, every: float, log: str = "") -> dict:
     venv = os.path.join(HERE, ".venv")
     if tree != HERE and not os.path.exists(os.path.join(tree, ".venv")):
         os.symlink(venv, os.path.join(tree, ".venv"))
@@ -102,6 +102,9 @@ def _run(tree: str, every: float) -> dict:
         if made:
             os.remove(stamp)
     total = time.time() - start
+    if log:
+        with open(log, "w") as f:
+            f.writelines(f"{t:8.1f} {text}\n" for t, text in lines)
     if proc.returncode:
         tail = "\n".join(text for _, text in lines[-40:])
         raise SystemExit(f"the test command failed in {tree} (rc {proc.returncode}):\n{tail}")
@@ -119,12 +122,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", default="37cb238", help="a commit, or none")
     p.add_argument("--every", type=float, default=2.0, help="seconds between two readings of /proc/stat")
+    p.add_argument("--logs", default="", help="save each run's output in this folder")
     args = p.parse_args()
+    if args.logs:
+        os.makedirs(args.logs, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, checkouts(args.baseline, tmp) as trees:
         for name, tree in trees:
             print(f"running the test command in {name} ...", file=sys.stderr, flush=True)
-            rows.append((name, _run(tree, args.every)))
+            log = os.path.join(args.logs, f"{name.replace(' ', '-')}.log") if args.logs else ""
+            rows.append((name, _run(tree, args.every, log)))
     print("\n`bash launch/run_tests.sh` (CI=true), seconds; busy: the share of the cores in use (/proc/stat)")
     print("| checkout | set-up + unit phase (busy) | distributed + e2e (busy) | background tests end at | total |")
     print("|---|---|---|---|---|")

@@ -1,7 +1,9 @@
 """Shared test setup: no hub access, quiet tokenizers, and the tiny assets built once per session."""
 from __future__ import annotations
 
+import atexit
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,16 @@ import pytest
 # must fail, not hang or pass by luck on a machine with a warm hub cache.
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# No test builds the tiny:// bundles where a user's runs find them (~/.cache; the text one is ~1
+# min of warm-up): a config default a test left unset did, once on every fresh machine (the async
+# run's val_files). tiny:// here resolves under a regular file, so such a build fails at once,
+# naming it; tests of the resolution itself set $DAPO_MEGATRON_ASSETS to a temp dir of their own.
+# Subprocesses and the Ray workers a test starts inherit it.
+_NO_ASSETS = Path(tempfile.gettempdir()) / f"dapo-tests-pass-asset-paths-not-tiny-{os.getpid()}"
+_NO_ASSETS.write_text("tests must not build the tiny:// assets: pass the fixtures' paths (tests/conftest.py)\n")
+atexit.register(_NO_ASSETS.unlink, missing_ok=True)
+os.environ["DAPO_MEGATRON_ASSETS"] = str(_NO_ASSETS / "tiny-v1")
 
 # No warm-up: tests need real checkpoints of the right shapes, not a model that can add; the
 # warm-up itself is tested on its own (tests/unit/test_assets_warmup.py).

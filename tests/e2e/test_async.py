@@ -27,9 +27,12 @@ BATCH = 4  # prompts a step, every one kept (dynamic sampling off): the stream m
 
 
 def _overrides(tiny_assets, out, steps: int, **extra) -> list[str]:
-    """The tiny task on quickstart_async's layout, `steps` steps, a checkpoint after each."""
+    """The tiny task on quickstart_async's layout, `steps` steps, a checkpoint after each. Every
+    path is the test's own (the config's tiny:// val_files built the demo's bundle, ~1 min, in
+    ~/.cache on a fresh machine)."""
     overrides = {
         "model.path": str(tiny_assets / "qwen3_moe"), "data.train_files": f"[{tiny_assets / 'data' / 'train.parquet'}]",
+        "data.val_files": f"[{tiny_assets / 'data' / 'val.parquet'}]",
         "data.train_batch_size": BATCH, "rollout.n": 4, "actor.ppo_mini_batch_size": BATCH,
         "data.max_response_length": 12, "trainer.total_training_steps": steps, "trainer.save_freq": 1,
         "trainer.val_before_train": "false", "trainer.default_local_dir": str(out), "trainer.logger": "[jsonl]",
@@ -46,7 +49,7 @@ def one_step_off(tiny_assets, tmp_path_factory):
     from dapo_megatron.driver.loop import run
     out = tmp_path_factory.mktemp("one_step_off") / "run"
     overrides = _overrides(tiny_assets, out, 3, **{
-        "data.val_files": f"[{tiny_assets / 'data' / 'val.parquet'}]", "data.gen_batch_size": BATCH,
+        "data.gen_batch_size": BATCH,
         "algorithm.filter_groups.enable": "false", "trainer.max_checkpoints_to_keep": 3, "trainer.test_freq": 2,
         "trainer.mode": "one_step_off", "trainer.max_staleness": 1, "algorithm.filter_groups.mode": "sync",
         "trainer.max_restarts": 1})
