@@ -4,16 +4,17 @@ end-to-end phase with and without them, alternated.
     python bench/background_cost.py [--rounds 2] [-- pytest args ...]
 
 Each round runs the selection (default: test_async.py, test_driver.py and test_shapes_sync.py,
-~7 min here, serially as the test command's second phase does) twice, first alone, then with
-`pytest -m background tests/unit` started beside it at idle CPU priority (`chrt --idle 0`) as
-`launch/run_tests.sh` starts it. Prints each run's wall time, when the background tests ended, and
-per round the difference. The machine's speed drifts between runs (tens of seconds over half an
-hour here): the alternation and the rounds tell a drift from a cost.
+~8-10 min here, serially as the test command's second phase does) twice, first alone, then with
+`pytest -m background tests/unit` started beside it at idle CPU priority (`chrt --idle 0`, else
+`nice -n 19`) as `launch/run_tests.sh` starts it. Prints each run's wall time, when the
+background tests ended, and per round the difference. The machine's speed drifts between runs
+(tens of seconds over half an hour here): the alternation and the rounds tell a drift from a cost.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +23,7 @@ import time
 
 from _trees import HERE
 
+IDLE = ["chrt", "--idle", "0"] if shutil.which("chrt") else ["nice", "-n", "19"]  # as launch/run_tests.sh
 SELECTION = ["tests/e2e/test_async.py", "tests/e2e/test_driver.py", "tests/e2e/test_shapes_sync.py"]
 
 
@@ -32,7 +34,7 @@ def _run(selection: list[str], beside: bool, tmp: str) -> tuple[float, float | N
     start, ended = time.time(), []
     if beside:
         background = subprocess.Popen(
-            ["chrt", "--idle", "0", *pytest, "--basetemp", os.path.join(env["DAPO_TEST_BUNDLES"], "bg"),
+            [*IDLE, *pytest, "--basetemp", os.path.join(env["DAPO_TEST_BUNDLES"], "bg"),
              "-m", "background", "tests/unit"], cwd=HERE, env={**env, "OMP_NUM_THREADS": "1"},
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         waiter = threading.Thread(target=lambda: ended.append((background.wait(), time.time() - start)))
