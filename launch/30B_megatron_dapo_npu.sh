@@ -18,7 +18,7 @@ ASCEND="${ASCEND_HOME:-/usr/local/Ascend}"
 # (`|| true`: with none found, pipefail would end the script here, silently.)
 JEMALLOC="${JEMALLOC:-$(ls /usr/local/lib/libjemalloc.so.2 /usr/lib/*/libjemalloc.so.2 2>/dev/null | head -n1 || true)}"
 
-# The environment of the reference Ascend DAPO runs (see README, Ascend): jemalloc against host
+# The environment of the reference Ascend DAPO runs (see docs/recipes/qwen3-30b-a3b.md): jemalloc against host
 # memory fragmentation, vLLM V1, long HCCL connect timeout for 16-rank start-up, NZ weight format
 # off and eager kernels so that weight updates reach the engine. The data plane (TransferQueue,
 # data_plane.* in the config) carries the batches: its warnings are not for the job's log.
@@ -31,7 +31,11 @@ ENV_JSON=$(cat <<JSON
 JSON
 )
 
+# The overrides, each quoted again for the `bash -c` line below (one with spaces stays one).
+EXTRA=""
+if (($#)); then EXTRA=$(printf '%q ' "$@"); fi
+
 ray job submit --address "$RAY_DASHBOARD" --runtime-env-json "$ENV_JSON" -- \
   bash -c "source ${ASCEND}/ascend-toolkit/set_env.sh && source ${ASCEND}/nnal/atb/set_env.sh && \
   python -m dapo_megatron.main --config-name ${CONFIG} \
-    model.path=${MODEL} 'data.train_files=[${TRAIN}]' 'data.val_files=[${VAL}]' $*"
+    model.path=${MODEL} 'data.train_files=[${TRAIN}]' 'data.val_files=[${VAL}]' ${EXTRA}"

@@ -13,13 +13,14 @@ from typing import Any, Dict, List, Optional
 
 @dataclass
 class ParallelConfig:
-    """Megatron / vLLM parallel degrees of one role (DP is derived from the device count)."""
+    """Megatron / vLLM parallel degrees of one role (DP is derived from the device count). An
+    engine uses tp, and ep over the same ranks; validation refuses the others there."""
     tp: int = 1  # tensor parallel
     pp: int = 1  # pipeline parallel
     vpp: int = 1  # virtual pipeline stages per pipeline rank (1: interleaving off)
     ep: int = 1  # expert parallel
     etp: int = 1  # expert tensor parallel
-    cp: int = 1  # context parallel
+    cp: int = 1  # context parallel: only 1 (validate refuses more: no sequence split in log-probs / micro-batches)
     sequence_parallel: bool = False  # forced on by the model builder when TP>1 with MoE
 
 
@@ -32,7 +33,6 @@ class DataConfig:
     max_response_length: int = 2048
     train_batch_size: int = 512  # prompts (groups) kept per step
     gen_batch_size: int = 1536  # prompts sent to the engines per generation round
-    val_batch_size: int = 0  # 0: the whole validation set at once
     truncation: str = "filter"  # filter | left | right | error  (prompts over max_prompt_length)
     skip_bad_rows: bool = False  # skip and count malformed rows instead of raising
     shuffle: bool = True
@@ -43,7 +43,10 @@ class DataConfig:
 class ModelConfig:
     path: str = ""  # HF checkpoint dir (config.json + safetensors)
     tokenizer_path: str = ""  # empty: same as path
-    load_checkpoint: str = ""  # optional Megatron dist-checkpoint to start from instead of path
+    # A Megatron dist checkpoint (a run's step_<N> folder, or a converted model) whose weights the
+    # actor and reference start from; not a resume (no optimizer, schedule or data position). The
+    # engines still load model.path, and the first weight sync replaces it before any generation.
+    load_checkpoint: str = ""
     dtype: str = "bf16"  # fp32 | bf16 | fp16 (parameters and compute)
 
 
@@ -246,8 +249,9 @@ class TrainerConfig:
     test_freq: int = -1
     val_before_train: bool = True
     resume_mode: str = "auto"  # auto | disable | <path to a step folder>
-    # A role that dies (a training rank, the rollout manager, an engine) restarts the whole run in
-    # this job from its last checkpoint, this many times; 0: the run stops with the role's error.
+    # A role that dies (a training rank, the rollout manager, an engine past its replacements)
+    # restarts the run in this job from its last checkpoint, this many times (a dead training rank:
+    # new ranks only, the other roles kept when safe); 0: the run stops with the role's error.
     max_restarts: int = 0
     # How long the run waits for its devices at start (and at each restart: a lost node rejoining)
     # before it stops naming this key; 0: no limit.

@@ -235,6 +235,12 @@ def check_parallel_fits_model(p: ParallelConfig, spec: ModelSpec, key: KeyFn, *,
 
 def _check_layouts(cfg: DapoConfig) -> None:
     devices = role_devices(cfg)
+    # verl's context_parallel_size translates to these. Once built, routing replay must still refuse
+    # it (routes are laid out per sequence position, context parallelism reorders them).
+    for role in ("actor", "ref"):
+        cp = getattr(cfg, role).parallel.cp
+        _require(cp <= 1, f"{role}.parallel.cp", f"{role}.parallel.cp={cp}: context parallelism is not built yet "
+                 f"(the log-prob and micro-batch code has no sequence split); set {role}.parallel.cp=1")
     check_parallel(cfg.actor.parallel, devices["actor"], _role_key("actor"), "devices of the actor")
     if cfg.actor.use_kl_loss:
         check_parallel(cfg.ref.parallel, devices["ref"], _role_key("ref"), "devices of the reference")
@@ -248,9 +254,12 @@ def _check_layouts(cfg: DapoConfig) -> None:
     _require(r.ep in (1, r.tp), "rollout.parallel.ep",
              f"rollout.parallel.ep ({r.ep}) must be 1 or equal rollout.parallel.tp ({r.tp}): vLLM spreads "
              f"experts over the engine's tensor-parallel ranks")
-    for name in ("pp", "cp", "etp"):
+    for name in ("pp", "vpp", "cp", "etp"):
         _require(getattr(r, name) == 1, f"rollout.parallel.{name}",
                  f"rollout.parallel.{name} must be 1 (an engine uses TP, and EP over the same ranks)")
+    _require(not r.sequence_parallel, "rollout.parallel.sequence_parallel",
+             "rollout.parallel.sequence_parallel=true is a training layout's switch (actor.parallel."
+             "sequence_parallel); an engine has none: set it false")
     fit = devices["rollout"] // r.tp
     _require(0 <= cfg.rollout.num_engines <= fit, "rollout.num_engines",
              f"rollout.num_engines ({cfg.rollout.num_engines}) must be in [0, {fit}]: {devices['rollout']} engine "
@@ -351,9 +360,6 @@ def _check_router_replay(cfg: DapoConfig, spec: ModelSpec, engine) -> None:
     _require(spec.is_moe, "actor.router_replay",
              f"actor.router_replay={mode} needs an MoE model; {spec.model_type} has no router: set "
              f"actor.router_replay=off")
-    _require(cfg.actor.parallel.cp == 1, "actor.router_replay",
-             f"actor.router_replay={mode} does not run with actor.parallel.cp ({cfg.actor.parallel.cp}) > 1 "
-             f"(routes are laid out per sequence position, context parallelism reorders them)")
     if mode != "rollout":
         return
     _require(engine.engine_returns_routes, "actor.router_replay",

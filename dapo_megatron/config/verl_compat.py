@@ -363,6 +363,9 @@ IGNORED: list[tuple[re.Pattern, str]] = [(re.compile(rx), why) for rx, why in [
      "and waking is always two-stage (weights for the sync, then the KV cache)"),
     (r"^data\.(filter_overlong_prompts_workers|dataloader_num_workers|use_shm|min_response_length)$",
      "verl's data-loader machinery (min_response_length is read nowhere in verl either)"),
+    (r"^data\.val_batch_size$",
+     "deprecated in verl, which sends the validation set whole; so does this run: each engine gets its shard "
+     "at once and runs rollout.max_concurrent_per_engine of it at a time"),
     (r"^trainer\.(balance_batch|log_val_generations|rollout_data_dir|validation_data_dir|del_local_ckpt_after_load|"
      r"use_legacy_worker_impl|ray_wait_register_center_timeout)$|^ray_(init|kwargs)\..*$|^global_profiler\..*$",
      "verl's trainer, logging or Ray set-up machinery"),

@@ -9,6 +9,19 @@ Per step, with rollout.free_cache_engine and actor.offload.{params,grads,optimiz
 The parameters stay on the device through the sync because the TP / EP gathers of the export run
 there; the engines' KV cache comes back only after they left, so the two never overlap. Each
 move is one phase of the loop (`Run.timed`): timing/<phase> and a line of phases.jsonl.
+
+A run's first moments take the same turns (driver/setup.start):
+
+    engines created (their share) -> engines sleep -> actor builds its whole state (HF weights or
+    model.load_checkpoint) -> [actor offloads grads -> resume loads a checkpoint] -> actor offloads
+    grads and optimizer ->
+    engines wake (weights) -> weight sync (when the engines' weights differ) -> actor offloads
+    params -> engines wake (KV cache) -> generate
+
+The engines sleep before the actor builds (as verl's hybrid engine does), not the actor first:
+vLLM needs its whole share free when it starts (it checks the free memory and profiles its KV
+cache there), and the actor's build and a resume then hold no more than the update's state. A
+restart's new ranks build the same way beside the kept engines, put to sleep first.
 """
 from __future__ import annotations
 
@@ -58,9 +71,31 @@ class TimeShare:
             with run.timed(phase, what):
                 as_role("actor", getattr(self.train, phase), what)
 
-    def start(self, run) -> None:
-        """Before the first generation: the actor built (or resumed) on the device gives it up."""
-        self._move(run, "offload", BEFORE_SYNC + AFTER_SYNC)
+    @property
+    def drops_weights(self) -> bool:
+        """Level 2 frees the engines' weights too: they need a sync before they generate."""
+        return self.sleep_level == 2
+
+    def before_build(self, run) -> None:
+        """The engines (created at their share, or kept by a restart) sleep before the training
+        ranks build: the device is the actor's while its whole state is built and loaded."""
+        if self.sleep_level:
+            self._engines(run, "engine_sleep", [f"level {self.sleep_level}"],
+                          lambda e: e.sleep.remote(self.sleep_level))
+
+    def before_resume(self, run) -> None:
+        """A resume's load reads the optimizer state into fresh tensors before copying it: the
+        gradients (zero until the next update) leave the device first."""
+        self._move(run, "offload", ("grads",))
+
+    def start(self, run, sync=None, resumed: bool = False) -> None:
+        """Before the first generation, as after a step's update: the actor built (or resumed)
+        gives its state up around the weight sync `sync` (None: the engines hold its weights)."""
+        self._move(run, "offload", [n for n in BEFORE_SYNC if not (resumed and n == "grads")])
+        self._wake(run, "weights")
+        if sync is not None:
+            sync()
+        self.after_sync(run)
 
     def to_training(self, run) -> None:
         level = self.sleep_level

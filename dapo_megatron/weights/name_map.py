@@ -13,6 +13,7 @@ vLLM loads, and the loader / exporter (un)stack them for files.
 """
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from functools import cache
@@ -194,6 +195,18 @@ def fused_experts(spec) -> dict[str, tuple[list[str], tuple[int, int]]]:
 def vision_tower_shapes(spec) -> dict[str, tuple[int, ...]]:
     """{HF name: shape} of the vision tower's parameters, from a tower built on the meta device
     (its config says more than a table could: depth, deepstack mergers, patch sizes)."""
+    # Kept by the tower's config: the plan asks once per rank and per tried response length
+    # (27 meta builds, 12 s, for one VL --max-response); the answer never changes.
+    key = (spec.model_type, json.dumps(spec.vision_config, sort_keys=True, default=str))
+    if key not in _VISION_SHAPES:
+        _VISION_SHAPES[key] = _build_vision_tower_shapes(spec)
+    return dict(_VISION_SHAPES[key])
+
+
+_VISION_SHAPES: dict[tuple[str, str], dict[str, tuple[int, ...]]] = {}
+
+
+def _build_vision_tower_shapes(spec) -> dict[str, tuple[int, ...]]:
     import torch
 
     from dapo_megatron.models.qwen3_vl import build_vision_tower

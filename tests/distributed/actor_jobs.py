@@ -193,8 +193,8 @@ def _crashing_save(real_save):
     return save
 
 
-def _load_damaged_copy(actor, path: str) -> str:
-    """The error of loading a copy of `path` with one bit flipped in a .distcp."""
+def _load_damaged_copy(load, path: str) -> str:
+    """The error of `load` (a callable of the path) on a copy of `path` with one bit flipped in a .distcp."""
     import glob
     import shutil
     import tempfile
@@ -207,7 +207,7 @@ def _load_damaged_copy(actor, path: str) -> str:
     data[len(data) // 2] ^= 1
     open(target, "wb").write(bytes(data))
     try:
-        ckpt.load_checkpoint(actor, bad)
+        load(bad)
     except CheckpointError as e:
         return str(e)
     finally:
@@ -258,7 +258,8 @@ def resume_job(hf_dir: str, parallel: dict, root: str, phase: str) -> bytes:
         out["metrics"] = [_train_step(actor, 3)]
         out["logprobs_after_3"] = everywhere(actor.compute_logprobs(make_batch(seed=0)))["logprobs"]
         return pack(out)
-    out["damaged_error"] = _load_damaged_copy(actor, path)
+    out["damaged_error"] = _load_damaged_copy(lambda bad: ckpt.load_checkpoint(actor, bad), path)
+    out.update(_start_from(hf_dir, parallel, path, actor))
     try:
         ckpt.load_checkpoint(actor, path)
     except ValueError as e:
@@ -271,6 +272,27 @@ def resume_job(hf_dir: str, parallel: dict, root: str, phase: str) -> bytes:
     dcp.save = _exiting_save(dcp.save)
     ckpt.save_checkpoint(actor, root, 5, {"step": 5}, keep=1)
     return pack({})  # not reached
+
+
+def _start_from(hf_dir: str, parallel: dict, path: str, hf_actor) -> dict:
+    """model.load_checkpoint = `path`, as a training rank's setup does it: an actor built without
+    the HF weights and an (offloading) reference, both loaded by `load_start`. Their log-probs, those
+    of `hf_actor` (model.path's weights), the start's LR step and Adam state; a damaged copy's error."""
+    from dapo_megatron.train import checkpoint as ckpt
+    from dapo_megatron.train.actor import Actor
+    from dapo_megatron.train.reference import Reference
+    batch = make_batch(seed=0)
+    out = {"hf_logprobs": everywhere(hf_actor.compute_logprobs(batch))["logprobs"]}
+    start = Actor(actor_config(parallel, optim=RESUME_OPTIM, max_tokens_per_microbatch=64), hf_dir, n=2,
+                  total_steps=6, load_weights=False)
+    ref = Reference(RefConfig(parallel=ParallelConfig(**parallel)), hf_dir, max_tokens_per_microbatch=64)
+    ckpt.load_start(path, start, ref)
+    out["start_logprobs"] = everywhere(start.compute_logprobs(batch))["logprobs"]
+    out["start_ref_logprobs"] = everywhere(ref.compute_logprobs(batch))["logprobs"]
+    out["start_lr_steps"] = start.scheduler.num_steps
+    out["start_adam_state"] = sum(len(o.state) for o in ckpt._torch_optimizers(start.optimizer))
+    out["start_damaged_error"] = _load_damaged_copy(lambda bad: ckpt.load_start(bad, start), path)
+    return out
 
 
 def offload_job(hf_dir: str, parallel: dict, dtype: str) -> bytes:

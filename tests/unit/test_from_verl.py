@@ -110,6 +110,17 @@ def test_shell_forms_launch_scripts_use():
     assert overrides[0] == "actor_rollout_ref.model.path=${oc.env:HOME_DIR}/models/demo"
 
 
+def test_a_key_read_nowhere_here_is_explained(tmp_path):
+    """verl's data.val_batch_size has no key here (validation runs each engine's shard whole): the
+    report says it is ignored and why, and the command leaves it out."""
+    script = tmp_path / "run.sh"
+    script.write_text("python3 -m verl.trainer.main_ppo data.val_batch_size=64 data.train_batch_size=4\n")
+    rc, printed = _run([str(script)])
+    line = next(line for line in printed.splitlines() if "data.val_batch_size" in line)
+    assert rc == 0 and line.startswith("# ignored") and "deprecated in verl" in line, printed
+    assert "data.val_batch_size" not in "".join(line for line in printed.splitlines() if not line.startswith("#"))
+
+
 def test_refused_key_exits_1_and_names_it(tmp_path):
     script = tmp_path / "run.sh"
     script.write_text("python3 -m verl.trainer.main_ppo algorithm.adv_estimator=gae data.train_batch_size=4\n")

@@ -63,3 +63,14 @@ def test_vl_launch_reads_geo3k_from_data_dir(tmp_path):
     command = " ".join(args[args.index("--") + 1:])
     assert "data.train_files=[/datasets/geo3k/train.parquet]" in command
     assert "data.val_files=[/datasets/geo3k/test.parquet]" in command and "trainer.nnodes=4" in command
+
+
+def test_npu_launch_keeps_an_override_with_spaces_one_argument(tmp_path):
+    """The NPU script runs its command through `bash -c` (to source CANN's environment first): each
+    override is quoted again, so the job's shell splits it where the user's did."""
+    args = _submit("30B_megatron_dapo_npu.sh", tmp_path, "trainer.experiment_name=run a", "trainer.save_freq=5")
+    inner = args[args.index("--") + 1:]
+    assert inner[:2] == ["bash", "-c"], inner
+    words = subprocess.run(["bash", "-c", f"set -- {inner[2].split('python -m dapo_megatron.main', 1)[1]}; "
+                            'printf "%s\\n" "$@"'], capture_output=True, text=True, check=True).stdout.splitlines()
+    assert words[-2:] == ["trainer.experiment_name=run a", "trainer.save_freq=5"], words

@@ -181,7 +181,7 @@ IGNORED = ["actor_rollout_ref.actor.fsdp_config.param_offload=True", "+actor_rol
            "actor_rollout_ref.actor.megatron.vanilla_mbridge=False",
            "+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True",
            "actor_rollout_ref.rollout.max_model_len=22528", "++transfer_queue.controller.polling_mode=True",
-           "+data.min_response_length=4096", "trainer.log_val_generations=10",
+           "+data.min_response_length=4096", "trainer.log_val_generations=10", "data.val_batch_size=64",
            "algorithm.rollout_correction.rollout_is_threshold=2.0",  # no effect without rollout_is
            # `+`-added keys that verl's config lacks and no verl code reads (the 2025 NPU recipe's)
            "+actor_rollout_ref.critic.optim.lr=5e-8", "+actor_rollout_ref.rollout.rollout_world_size=16"]
@@ -193,6 +193,16 @@ def test_ignored_with_one_warning(item):
         cfg = load_config("quickstart", [item])
     assert len([w for w in record if "ignored" in str(w.message)]) == 1
     assert cfg == _cfg()
+
+
+def test_context_parallel_translates_and_is_refused_until_built():
+    """verl's context_parallel_size keeps its translation; cp > 1 is then refused naming our key, cp 1 runs."""
+    for verl, ours in (("actor_rollout_ref.actor.megatron.context_parallel_size", "actor.parallel.cp"),
+                       ("actor_rollout_ref.ref.megatron.context_parallel_size", "ref.parallel.cp")):
+        assert _cfg(f"{verl}=1") == _cfg()
+        with pytest.raises(ConfigError) as err:
+            _cfg(f"{verl}=2")
+        assert err.value.key == ours and "not built yet" in str(err.value) and len(str(err.value).splitlines()) == 1
 
 
 # (override, words the message must hold: what to do instead)
