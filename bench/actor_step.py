@@ -44,6 +44,10 @@ import actor_jobs  # noqa: E402  (batch and config builders shared with the test
 
 from dapo_megatron.device import get_device  # noqa: E402
 from dapo_megatron.dtypes import DTYPES  # noqa: E402
+from results import Table, write  # noqa: E402
+
+MEASURES = ("One update (log-probs, loss, backward, optimizer) of our Megatron actor against HF transformers + torch "
+            "AdamW on the same model and tokens, in one process: tokens/s, and with --vl the vision tower's share.")
 
 _TORCH_DTYPES = {name: row.torch for name, row in DTYPES.items()}
 _PEAK_TFLOPS = {"bf16": 989.0, "fp32": 67.0}  # H100 SXM: dense bf16 tensor cores, fp32 non-tensor
@@ -230,6 +234,16 @@ def vl_main(args, dev) -> None:
     for side, (_, _, text_tps, _), (_, _, vl_tps, _) in (("ours", rows[0], rows[1]), ("HF", rows[2], rows[3])):
         print(f"{'VL / text tokens/s, ' + side:<39}{vl_tps / text_tps:>10.2f}")
     print(f"{'ours / HF tokens/s, VL':<39}{rows[1][2] / rows[3][2]:>10.2f}")
+    cells = lambda kind, tps, share: ([round(tps), "-", "-"] if kind == "text" else  # noqa: E731
+                                      [round(tps), round(args.samples * tps / tokens, 1), f"{share:.0%}"])
+    table = [[f"{'tiny Qwen3-VL-MoE' if kind == 'VL' else 'Qwen3-MoE of the VL model text sizes'} ({kind})",
+              *cells(kind, ours[2], ours[3]), *cells(kind, hf[2], hf[3])] for kind, ours, hf in
+             (("text", rows[0], rows[2]), ("VL", rows[1], rows[3]))]
+    write("actor_step", title="One actor update: ours against HF transformers",
+          measures=MEASURES, tables=[Table("vl", f"`--vl --samples {args.samples}`: {tokens} tokens, {args.samples} "
+                                             f"images of 224x224, {args.dtype}, {where}",
+                                             ["model", "ours tok/s", "ours images/s", "ours: tower's share", "HF tok/s",
+                                              "HF images/s", "HF: tower's share"], table)])
 
 
 def main() -> None:
@@ -277,6 +291,13 @@ def main() -> None:
     print(f"{'ratio (goal >= 1.0)':<40}{ours / base:>12.2f}")
     if mfu:
         print(f"MFU vs peak {peak / 1e12:.0f} TFLOP/s ({args.dtype}; --peak-tflops to change)")
+    share = lambda tps: flops * tps / tokens / peak  # noqa: E731
+    write("actor_step", title="One actor update: ours against HF transformers", measures=MEASURES,
+          tables=[Table("text", f"qwen3_moe hidden {args.hidden} x {args.layers} layers, {args.experts} experts "
+                        f"top-{args.topk}, {args.samples} sequences, {tokens} tokens; HF: {hf_impl}",
+                        ["device", "ours tok/s", "HF + torch AdamW tok/s", "ours / HF", "MFU ours / HF"],
+                        [[f"{where}, {args.dtype}", round(ours), round(base), f"{ours / base:.2f}x",
+                          f"{share(ours):.1%} / {share(base):.1%}" if mfu else "-"]])])
 
 
 if __name__ == "__main__":

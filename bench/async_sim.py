@@ -50,6 +50,14 @@ from dapo_megatron.rollout.collect import ScoredGroup  # noqa: E402
 from dapo_megatron.rollout.manager import CONCURRENCY_GROUPS, RolloutManager  # noqa: E402
 from dapo_megatron.rollout.types import RolloutGroup, StoredGroup  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from common import median  # noqa: E402  (bench/ is not a package)
+from results import Table, write  # noqa: E402
+
+MEASURES = ("SIMULATED: the real rollout manager and the real trainer step (`driver/loop.train_step`) over timed "
+            "stand-ins for engines, reward and ranks (no model): a calibration against the quickstart, then a "
+            "30B-class cluster with assumed parameters in each training mode.")
+
 MEASURED = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "async_quickstart.json")
 TICK_S = 0.002  # wall seconds a stand-in engine sleeps at most between two looks at its requests
 
@@ -431,6 +439,7 @@ def simulate(cluster: Cluster, mode: list[str], steps: int, scale: float, seed: 
             metrics["sim/concurrency"] = sum(s["conc_v"] for s in stats) / max(sum(s["busy_v"] for s in stats), 1e-9)
             metrics["sim/stall_frac"] = sum(s["stall_v"] for s in stats) / max(sum(s["busy_v"] for s in stats), 1e-9)
             metrics["sim/late_frac"] = sum(s["late_v"] for s in stats) / scale / len(stats) / metrics["timing/step"]
+            metrics["sim/kept_responses"] = metrics["sampling/kept_groups"] * cfg.rollout.n
             rows.append({k: v * scale if k.startswith("timing/") and not k.endswith("_frac") else v
                          for k, v in metrics.items()})
         loop.drop_pending(run)
@@ -554,7 +563,7 @@ WARMUP = 2
 
 
 def _median(rows: list[dict], key: str) -> float:
-    return statistics.median(r.get(key, 0.0) for r in rows[WARMUP:])
+    return median(rows, key, skip=WARMUP)
 
 
 def _wait(rows: list[dict]) -> float:
@@ -573,9 +582,11 @@ def fit_overhead(cluster: Cluster, measured: dict, steps: int, seed: int) -> Clu
     return cluster
 
 
-def calibration_table(cluster: Cluster, measured: dict, steps: int, seed: int) -> list[str]:
-    lines = ["| mode | | step (s) | generation / trainer wait (s) | update (s) | sync + wait (s) | engine idle | "
-             "groups generated |", "|---|---|---|---|---|---|---|---|"]
+def calibration_table(cluster: Cluster, measured: dict, steps: int, seed: int) -> Table:
+    columns = ["mode", "run", "step (s)", "generation / trainer wait (s)", "update (s)", "sync + wait (s)", "engine idle",
+               "groups generated"]
+    lines = ["| mode | | " + " | ".join(columns[2:]) + " |", "|---" * len(columns) + "|"]
+    rows = []
     for mode in ("sync", "one_step_off", "async k=1", "async k=2"):
         rows = simulate(cluster, MODES[mode], steps, 1.0, seed)
         got = [_median(rows, "timing/step"), _wait(rows), _median(rows, "timing/update"),
@@ -585,44 +596,49 @@ def calibration_table(cluster: Cluster, measured: dict, steps: int, seed: int) -
         want = [_mean(runs, "timing/step"), _mean(runs, "timing/gen") + _mean(runs, "timing/trainer_wait"),
                 _mean(runs, "timing/update"), _mean(runs, "timing/sync") + _mean(runs, "timing/sync_wait"),
                 _mean(runs, "timing/engine_idle_frac"), _mean(runs, "sampling/generated_groups")]
-        lines.append(f"| {mode} | measured | " + " | ".join(f"{v:.2f}" for v in want) + " |")
-        lines.append("| | simulated | " + " | ".join(  # the idle share: its difference, not a ratio
+        rows.append([mode, "measured", *(f"{v:.2f}" for v in want)])
+        rows.append(["", "simulated", *(  # the idle share: its difference, not a ratio
             f"{g:.2f} ({g - w:+.2f})" if i == 4 else f"{g:.2f} ({(g - w) / w * 100:+.0f}%)" if w > 0.05 else f"{g:.2f}"
-            for i, (g, w) in enumerate(zip(got, want))) + " |")
+            for i, (g, w) in enumerate(zip(got, want)))])
+        lines += ["| " + " | ".join(r[:1] + r[1:]) + " |" for r in rows[-2:]]
         print(lines[-2], lines[-1], sep="\n", flush=True)
-    return lines
+    return Table("calibration", f"Calibration: the stand-ins with the quickstart's parameters against "
+                 f"bench/async_throughput.py's measured run ({steps} steps a mode); simulated in brackets: its error",
+                 columns, rows)
 
 
-def large_table(steps: int, scale: float, seed: int) -> list[str]:
+def large_table(steps: int, scale: float, seed: int, cluster: Cluster = LARGE, modes: dict = LARGE_MODES) -> Table:
     """Per mode: kept responses per second, its ratio to sync, the median step and its parts, the
     engines' busy share and how full they run while busy, the tokens generated and never trained
     (aborted stragglers, groups dropped for their lag), the policy lag and the partial share."""
-    lines = ["| mode (simulated) | responses/s | x sync | step (s) | generation / trainer wait (s) | train (s) | "
-             "engines busy | running / slots | aborted + stale tokens | lag mean / max | partial | groups carried / waited |",
-             "|---" * 12 + "|"]
-    base, late = None, 0.0
-    for mode, overrides in LARGE_MODES.items():
-        rows = simulate(LARGE, overrides, steps, scale, seed)[WARMUP:]
-        rate = sum(r["sampling/kept_groups"] for r in rows) * 16 / sum(r["timing/step"] for r in rows)
+    columns = ["mode (simulated)", "responses/s", "x sync", "step (s)", "generation / trainer wait (s)", "train (s)",
+               "engines busy", "running / slots", "aborted + stale tokens", "lag mean / max", "partial",
+               "groups carried / waited"]
+    print("| " + " | ".join(columns) + " |\n" + "|---" * len(columns) + "|", flush=True)
+    base, late, table = None, 0.0, []
+    for mode, overrides in modes.items():
+        rows = simulate(cluster, overrides, steps, scale, seed)[WARMUP:]
+        rate = sum(r["sim/kept_responses"] for r in rows) / sum(r["timing/step"] for r in rows)
         base = base or rate
         late = max(late, max(r["sim/late_frac"] for r in rows))
-        train = statistics.median(r.get("timing/old_logprob", 0) + r["timing/update"] + r["timing/sync"] for r in rows)
+        train = median(r.get("timing/old_logprob", 0) + r["timing/update"] + r["timing/sync"] for r in rows)
         wasted = sum(r["sampling/aborted_tokens"] + r.get("sampling/stale_tokens", 0) for r in rows)
-        lines.append(
-            f"| {mode} | {rate:.2f} | {rate / base:.2f}x | {statistics.median(r['timing/step'] for r in rows):.0f} | "
-            f"{statistics.median(r.get('timing/gen', 0) + r.get('timing/trainer_wait', 0) for r in rows):.0f} | "
-            f"{train:.0f} | {statistics.mean(r['sim/engine_busy'] for r in rows):.2f} | "
-            f"{statistics.mean(r['sim/concurrency'] for r in rows) / LARGE.slots:.2f} | "
-            f"{wasted / sum(r['sampling/generated_tokens'] for r in rows):.2f} | "
+        table.append([
+            mode, f"{rate:.2f}", f"{rate / base:.2f}x", f"{median(rows, 'timing/step'):.0f}",
+            f"{median(r.get('timing/gen', 0) + r.get('timing/trainer_wait', 0) for r in rows):.0f}",
+            f"{train:.0f}", f"{statistics.mean(r['sim/engine_busy'] for r in rows):.2f}",
+            f"{statistics.mean(r['sim/concurrency'] for r in rows) / cluster.slots:.2f}",
+            f"{wasted / sum(r['sampling/generated_tokens'] for r in rows):.2f}",
             f"{statistics.mean(r['rollout/staleness_mean'] for r in rows):.2f} / "
-            f"{max(r['rollout/staleness_max'] for r in rows):.0f} | "
-            f"{statistics.mean(r['rollout/partial_frac'] for r in rows):.2f} | "
+            f"{max(r['rollout/staleness_max'] for r in rows):.0f}",
+            f"{statistics.mean(r['rollout/partial_frac'] for r in rows):.2f}",
             f"{statistics.mean(r.get('sampling/carried_groups', 0) for r in rows):.0f} / "
-            f"{statistics.mean(r.get('sampling/waited_groups', 0) for r in rows):.1f} |")
-        print(lines[-1], flush=True)
-    lines.append(f"(the stand-in engines fell behind their model by at most {late * 100:.1f}% of a step)")
-    print(lines[-1], flush=True)
-    return lines
+            f"{statistics.mean(r.get('sampling/waited_groups', 0) for r in rows):.1f}"])
+        print("| " + " | ".join(table[-1]) + " |", flush=True)
+    note = f"the stand-in engines fell behind their model by at most {late * 100:.1f}% of a step"
+    print(f"({note})", flush=True)
+    return Table("large", f"A 30B-class cluster, simulated: {steps} steps a mode, the first {WARMUP} not counted; "
+                 f"virtual time {scale:g}x the wall clock", columns, table, note)
 
 
 def _ray_init() -> None:
@@ -643,6 +659,7 @@ def main() -> None:
                    help="the engine measurement's JSON: read when it exists, else measured and written")
     args = p.parse_args()
     _ray_init()
+    tables = []
     if args.only != "large":
         engine = json.load(open(args.engine)) if os.path.exists(args.engine) else measure_engine()
         if args.engine and not os.path.exists(args.engine):
@@ -657,11 +674,12 @@ def main() -> None:
         cluster = fit_overhead(cluster, measured, args.calibration_steps, args.seed)
         print(f"manager overhead per response (fitted on sync's generation): {cluster.score_s * 1e3:.2f} ms",
               flush=True)
-        calibration_table(cluster, measured, args.calibration_steps, args.seed)
+        tables.append(calibration_table(cluster, measured, args.calibration_steps, args.seed))
     if args.only != "calibration":
         print(f"30B-class, simulated ({args.steps} steps a mode, first {WARMUP} not counted):", flush=True)
-        large_table(args.steps, args.scale, args.seed)
+        tables.append(large_table(args.steps, args.scale, args.seed))
     ray.shutdown()
+    write("async_sim", title="Training modes at 30B-class scale, simulated", measures=MEASURES, tables=tables)
 
 
 if __name__ == "__main__":

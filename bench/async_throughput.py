@@ -28,7 +28,9 @@ import time
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from process_memory import TreeSampler, run_sampled  # noqa: E402  (bench scripts sit side by side, not in a package)
+from common import median, read_metrics  # noqa: E402  (bench scripts sit side by side, not in a package)
+from process_memory import TreeSampler, run_sampled  # noqa: E402
+from results import Table, write  # noqa: E402
 
 CONFIG = "quickstart_async"
 MODES = {  # name -> overrides of quickstart_async (shipped: async, max_staleness 2, partial rollouts)
@@ -76,7 +78,7 @@ def run_mode(overrides: list[str], out: str, steps: int, seed: int) -> dict:
     # dynamic sampling as shipped (process_memory's runner turns it off)
     sampler = run_sampled(CONFIG, steps, ["algorithm.filter_groups.enable=true", f"data.seed={seed}",
                                           f"rollout.seed={seed}", *overrides], out, CpuSampler)
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    rows = read_metrics(out)
     phases = [json.loads(line) for line in open(os.path.join(out, "phases.jsonl"))]
     start = min(p["end"] - p["s"] for p in phases if p["step"] == WARMUP + 1)
     end = max(p["end"] for p in phases)
@@ -91,11 +93,12 @@ def summary(result: dict, samples_per_step: int) -> dict:
     mean = lambda rs, k: statistics.fmean(r.get(k, 0.0) for r in rs)  # noqa: E731
     return {"samples/s": samples_per_step * len(timed) / wall,
             "tokens/s": sum(r["sampling/kept_tokens"] for r in timed) / wall,
-            "step_s": statistics.median(r["timing/step"] for r in timed),
+            "step_s": median(timed, "timing/step"),
             "engine_idle": mean(timed, "timing/engine_idle_frac"),
             "trainer_wait": mean(timed, "timing/trainer_wait") + mean(timed, "timing/gen"),
             "lag": mean(timed, "rollout/staleness_mean"), "partial": mean(timed, "rollout/partial_frac"),
             "reward_first": mean(rows[:third], "reward/mean"), "reward_last": mean(rows[-third:], "reward/mean"),
+            "carried": [r.get("sampling/carried_groups", 0.0) for r in timed],
             "cores": result["cores"]}
 
 
@@ -168,6 +171,34 @@ def main() -> None:
                                                                                  "other")) for s in rounds)
         reward = " ; ".join(f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}" for s in rounds)
         print(f"| {m} | " + " | ".join(cells) + f" | {cores} | {reward} |")
+    write_results(args, table, samples_per_step)
+
+
+def write_results(args, table: dict, samples_per_step: int) -> None:
+    """The modes table: each cell its rounds' values, round 1 / round 2 / ..."""
+    def each(rounds, fmt) -> str:
+        return " / ".join(fmt(s) for s in rounds)
+    base, rows = table.get("sync"), []
+    for m, rounds in table.items():
+        rate = each(rounds, lambda s: f"{s['samples/s']:.1f}")
+        if base:
+            rate += " (" + " / ".join(f"{s['samples/s'] / b['samples/s']:.2f}x" for s, b in zip(rounds, base)) + ")"
+        carried = each(rounds, lambda s: f"{min(s['carried']):.0f}-{max(s['carried']):.0f}" if any(s["carried"]) else "-")
+        rows.append([m, rate, each(rounds, lambda s: f"{s['step_s']:.2f}"), each(rounds, lambda s: f"{s['trainer_wait']:.2f}"),
+                     each(rounds, lambda s: f"{s['engine_idle']:.2f}"), each(rounds, lambda s: f"{s['lag']:.2f}"),
+                     each(rounds, lambda s: f"{s['partial']:.2f}"), carried,
+                     each(rounds, lambda s: f"{s['cores'].get('rank', 0.0):.2f} / {s['cores'].get('engine', 0.0):.2f}"),
+                     " ; ".join(f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}" for s in rounds)])
+    write("async_throughput", title="Training modes on one layout",
+          measures="sync, one_step_off and async (staleness 1 and 2, partial rollouts or drained) alternated on "
+                   "`quickstart_async`'s layout, a seed per round: samples/s, the step, the engine's idle share, the "
+                   "policy lag, the cores each role used and the sampled reward.",
+          tables=[Table("modes", f"Each mode on {CONFIG}'s layout, {args.rounds} rounds x {args.steps} steps, steps "
+                        f"{WARMUP + 1}-{args.steps}, {samples_per_step} responses a step; each cell round 1 / round 2, "
+                        "ratio to sync", ["mode", "samples/s", "median step (s)", "trainer wait (s)", "engine idle",
+                                          "lag (pushes)", "partial", "groups carried", "cores: rank / engine",
+                                          "sampled reward, first third -> last third"], rows)],
+          plots=[args.plot] if args.plot else [])
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import threading
 import time
 
 import psutil
+from results import Table, write
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -221,6 +222,14 @@ def main(argv=None) -> int:
     for step, layout, s, gbps, net, x_copy, x_durable, rss, helper, shard in rows:
         print(f"{step:<12} {layout:<10} {s:>8.2f} {gbps:>6.3f} {net:>8.3f} {x_copy:>6.2f} {x_durable:>16.2f}  "
               f"{rss:<24} {helper:<15} {shard}")
+    write("convert", title="Checkpoint conversion",
+          measures="hf-to-mcore and mcore-to-hf on a generated checkpoint, timed against a plain and an fsynced copy of "
+                   "the same bytes, with each rank's peak RSS.",
+          tables=[Table("throughput", f"Conversion time and throughput (the fastest of {args.repeats})",
+                        ["checkpoint", "direction", "wall s", "net GB/s vs an fsynced copy", "GB/s vs a plain copy, overall"],
+                        [[f"{args.size_gb:g} GB", f"{step} ({layout})", f"{s:.1f}", f"{x_durable:.2f}x", f"{x_copy:.2f}x"]
+                         for step, layout, s, _, _, x_copy, x_durable, *_ in rows if layout != "-"])],
+          extra={"rows": [list(r) for r in rows]})
     return 0
 
 

@@ -25,6 +25,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from process_memory import TreeSampler, run_sampled  # noqa: E402  (bench scripts sit side by side, not in a package)
+from results import Table, write  # noqa: E402
 
 TICK = os.sysconf("SC_CLK_TCK")
 BUSY = 0.25  # a thread is busy over an interval when it used at least this share of a core
@@ -142,13 +143,22 @@ def main() -> None:
           f"readings every {args.every} s; overrides: {' '.join(args.overrides) or 'none'}")
     print("each cell: cores used (threads busy); idle = the cores the machine has less all used")
     print("| phase | share of the wall | " + " | ".join(groups) + " | all | idle |\n|" + "---|" * (len(groups) + 4))
+    table = []
     for phase in sorted(wall, key=lambda ph: -wall[ph]):
         w = wall[phase]
         used = sum(c for c, _ in cpu[phase].values()) / w
-        row = " | ".join(f"{cpu[phase][g][0] / w:.2f} ({cpu[phase][g][1] / w:.1f})" for g in groups)
-        print(f"| {phase} | {w / total_wall:.0%} | {row} | {used:.2f} | {max(0.0, cores - used):.2f} |")
+        cells = [f"{cpu[phase][g][0] / w:.2f} ({cpu[phase][g][1] / w:.1f})" for g in groups]
+        print(f"| {phase} | {w / total_wall:.0%} | {' | '.join(cells)} | {used:.2f} | {max(0.0, cores - used):.2f} |")
+        table.append([f"{args.config}, {' '.join(args.overrides) or 'as shipped'}", phase, f"{w / total_wall:.0%}", *cells,
+                      round(used, 2), round(max(0.0, cores - used), 2)])
     span = sampler.samples[-1][0] - sampler.samples[0][0]
     print(f"(the sampler itself, not counted above: {sampler.cpu_s / span:.2f} cores)")
+    write("core_use", title="Cores each process of the quickstart uses in each phase",
+          measures="The CPU time of every thread of every process of a quickstart run, charged to the phase of the "
+                   "step it fell in: the cores each role used in each phase, and what the machine left idle.",
+          tables=[Table("phases", f"Cores used by phase, {args.steps} steps, steps 3-{args.steps} (in brackets: threads "
+                        f"busy at a quarter of a core or more), readings every {args.every} s",
+                        ["layout, mode", "phase", "share of the wall", *groups, "all roles", f"idle of {cores}"], table)])
 
 
 if __name__ == "__main__":

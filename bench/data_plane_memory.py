@@ -29,7 +29,6 @@ import argparse
 import collections
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,9 @@ import time
 import psutil
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from process_memory import TreeSampler, role  # noqa: E402  (bench/ is not a package)
+from common import NO_EVAL, median, read_metrics, run_main  # noqa: E402  (bench/ is not a package)
+from process_memory import TreeSampler, role  # noqa: E402
+from results import Table, write  # noqa: E402
 
 # The three kinds of resident page in /proc/<pid>/status: a heap that keeps more grows RssAnon;
 # code paged in as new paths run grows RssFile; the object store's pages a process has read or
@@ -250,20 +251,20 @@ def main() -> None:
             plot(at_end or by_step, args.plot, max(by_step), ", at each step's end" if at_end else "")
         return
     with tempfile.TemporaryDirectory() as out:
-        cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
-               f"trainer.total_training_steps={args.steps}", "trainer.save_freq=0", "trainer.test_freq=0",
-               "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}",
-               "trainer.resume_mode=disable", f"algorithm.filter_groups.enable={args.dynamic_sampling}".lower(),
-               *args.overrides]
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        sampler = RssByStep(proc.pid, os.path.join(out, "metrics.jsonl"), save=args.save)
-        sampler.start()
-        _, err = proc.communicate()
-        sampler.stop.set()
-        sampler.join()
-        if proc.returncode:
-            raise SystemExit(f"the quickstart failed:\n{err[-3000:]}")
-        rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+        samplers = []
+
+        def start(proc) -> None:
+            samplers.append(RssByStep(proc.pid, os.path.join(out, "metrics.jsonl"), save=args.save))
+            samplers[0].start()
+        try:
+            run_main("quickstart", [f"trainer.total_training_steps={args.steps}", *NO_EVAL,
+                                    f"algorithm.filter_groups.enable={args.dynamic_sampling}".lower(), *args.overrides],
+                     out_dir=out, on_start=start)
+        finally:
+            for sampler in samplers:
+                sampler.stop.set()
+                sampler.join()
+        rows = read_metrics(out)
     # Samples taken once every step was logged see the run shutting down: left out.
     by_step = {s: r for s, r in sampler.by_step.items() if s < args.steps}
     at_end = {s: r for s, r in sampler.at_end.items() if s < args.steps}
@@ -277,13 +278,35 @@ def main() -> None:
             near = at_end.get(s) or by_step[min(by_step, key=lambda k: abs(k - s))]
             cells = [f"{near.get(n, float('nan')):.1f}" for n in names]
             print(f"| {s} | {r['data_plane/resident_mb']:.3f} | " + " | ".join(cells) + f" | {r['timing/step']:.2f} |")
-    times = sorted(r["timing/step"] for r in rows if r["step"] > args.after)
+    times = [r["timing/step"] for r in rows if r["step"] > args.after]
     if times:
-        print(f"\nmedian step after step {args.after}: {times[len(times) // 2]:.3f} s")
+        print(f"\nmedian step after step {args.after}: {median(times):.3f} s")
     print_slopes(by_step, at_end, args.after, args.every, args.segment)
     if args.plot:
         plot(at_end or by_step, args.plot, args.steps, ", at each step's end" if at_end else "")
         print(f"\nplot: {args.plot}")
+    write_results(args, rows, by_step, at_end, names)
+
+
+def write_results(args, rows: list[dict], by_step: dict, at_end: dict, names: list[str]) -> None:
+    """The slopes table: each role's RSS every `--every` steps, and its slope after `--after`."""
+    table = []
+    for r in rows:
+        s = r["step"]
+        if s % args.every == 0:
+            near = at_end.get(s) or by_step[min(by_step, key=lambda k: abs(k - s))]
+            table.append([str(s), f"{r['data_plane/resident_mb']:.3f}", *(f"{near.get(n, float('nan')):.1f}" for n in names)])
+    every = slopes_by(by_step, names, args.after, args.every)[0][1]
+    ends = slopes_by(at_end, names, args.after, args.every)[0][1] if at_end else {}
+    table.append([f"slope after step {args.after}, kB / step: every 2 s / at each step's end", "",
+                  *(f"{slope_kb(every[n]):.2f} / " + (f"{slope_kb(ends[n]):.2f}" if n in ends else "-") for n in names)])
+    write("data_plane_memory", title="Memory over a long run",
+          measures="The quickstart run as a user runs it: what the data plane holds after each step, and the RSS of "
+                   "every role step by step, with each role's slope (kB a step) after the warm-up.",
+          tables=[Table("slopes", f"RSS (MB) of each role every {args.every} steps and its slopes (kB a step): "
+                        f"{args.steps} quickstart steps, dynamic sampling {'on' if args.dynamic_sampling else 'off'}",
+                        ["step", "data plane holds (MB)", *names], table)],
+          plots=[args.plot] if args.plot else [])
 
 
 if __name__ == "__main__":  # Ray and vLLM may spawn processes: the guard keeps them from re-running this

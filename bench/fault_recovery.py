@@ -21,18 +21,14 @@ import argparse
 import json
 import os
 import signal
-import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 
 import psutil
 from _trees import checkouts
-
-BASE = ["trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false", "trainer.logger=[jsonl]",
-        "trainer.resume_mode=disable"]
+from common import NO_EVAL, median, read_metrics, run_main
+from results import Table, write
 
 
 def _lines(path: str) -> list[dict]:
@@ -40,15 +36,8 @@ def _lines(path: str) -> list[dict]:
 
 
 def _run(tree: str, out: str, steps: int, overrides: list[str], env: dict, on_start=None) -> None:
-    cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
-           f"trainer.total_training_steps={steps}", *BASE, f"trainer.default_local_dir={out}", *overrides]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=tree,
-                            env={**os.environ, "RAY_ADDRESS": "local", **env})
-    if on_start is not None:
-        on_start(proc)
-    _, err = proc.communicate(timeout=1800)
-    if proc.returncode:
-        raise SystemExit(f"the quickstart failed:\n{err[-3000:]}")
+    run_main("quickstart", [f"trainer.total_training_steps={steps}", *NO_EVAL, *overrides], out_dir=out, tree=tree,
+             env={"RAY_ADDRESS": "local", **env}, timeout=1800, on_start=on_start)
 
 
 def _kill_rank_in(method: str, out: str, step: int, killed: list) -> threading.Thread:
@@ -56,7 +45,7 @@ def _kill_rank_in(method: str, out: str, step: int, killed: list) -> threading.T
     title: a scan, not the driver's DAPO_KILL_ROLE_AT hook, which a baseline may lack)."""
     def watch():
         metrics = os.path.join(out, "metrics.jsonl")
-        while len(_lines(metrics)) < step - 1:
+        while len(read_metrics(metrics)) < step - 1:
             time.sleep(0.05)
         while not killed:
             for proc in psutil.process_iter(["cmdline"]):
@@ -71,17 +60,17 @@ def _kill_rank_in(method: str, out: str, step: int, killed: list) -> threading.T
 
 
 def _summary(what: str, out: str, kill_at: float, back_at: float) -> dict:
-    rows, phases = _lines(os.path.join(out, "metrics.jsonl")), _lines(os.path.join(out, "phases.jsonl"))
+    rows, phases = read_metrics(out), _lines(os.path.join(out, "phases.jsonl"))
     done = min(p["end"] for p in phases if p["phase"] == "sync" and p["end"] > kill_at)
     steps = {}
     for r in rows:  # the last row of a step (a restarted run logs its steps again)
         steps[r["step"]] = r
-    median = statistics.median(r["timing/step"] for r in steps.values())
+    step_s = median(r["timing/step"] for r in steps.values())
     consumed = [r["data/prompts_consumed"] for r in sorted(steps.values(), key=lambda r: r["step"])]
     generated = [r["sampling/generated_groups"] for r in sorted(steps.values(), key=lambda r: r["step"])]
     exact = consumed[0] == generated[0] and all(b - a == g for a, b, g in zip(consumed, consumed[1:], generated[1:]))
     return {"what": what, "to_serving": back_at - kill_at, "to_step": done - kill_at,
-            "median_step": median, "steps": len(steps), "exact": exact}
+            "median_step": step_s, "steps": len(steps), "exact": exact}
 
 
 def _engine(tree: str, out: str, args) -> dict:
@@ -117,7 +106,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as root, checkouts(args.baseline, root) as trees:
         for name, tree in trees:
             for kill in args.kill.split(","):
-                results.append({**KILLS[kill](tree, os.path.join(root, f"{kill}-{len(results)}"), args), "tree": name})
+                results.append({**KILLS[kill](tree, os.path.join(root, f"{kill}-{len(results)}"), args), "tree": name,
+                                "kill": kill})
     print(f"\nrecovery on the quickstart, kill -9 in step {args.at} of {args.steps}")
     head = ("checkout", "killed", "kill -> serving again s", "kill -> next step done s", "median step s", "lost ~ s",
             "steps logged", "prompts exact")
@@ -125,6 +115,19 @@ def main() -> None:
     for r in results:  # lost: past what a step takes anyway
         print(f"| {r['tree']} | {r['what']} | {r['to_serving']:.1f} | {r['to_step']:.1f} | {r['median_step']:.2f} | "
               f"{r['to_step'] - r['median_step']:.1f} | {r['steps']} | {r['exact']} |")
+    columns = ["run", "killed", "kill -> serving again", "kill -> step done", "median step", "lost, about", "prompts"]
+    rows = {kill: [[r["tree"], r["what"], f"{r['to_serving']:.1f} s", f"{r['to_step']:.1f} s", f"{r['median_step']:.2f} s",
+                    f"{r['to_step'] - r['median_step']:.1f} s", "exact" if r["exact"] else "NOT exact"]
+                   for r in results if r["kill"] == kill] for kill in KILLS}
+    title = f"Killed -9 in step {args.at} of {args.steps} of the quickstart"
+    tables = [Table("recovery", title, columns, rows["engine"] + rows["rank"])] if rows["engine"] + rows["rank"] else []
+    if rows["rank-sync"]:
+        tables.append(Table("in_sync", f"Training rank 0 killed -9 in the weight push, step {args.at} of {args.steps}",
+                            columns, rows["rank-sync"]))
+    write("fault_recovery", title="Recovery from a killed role",
+          measures="A rollout engine and a training rank killed -9 mid-step of the quickstart, a run each: the time "
+                   "from the kill to serving again and to the next finished step, and that less a median step.",
+          tables=tables, extra={"runs": results})
 
 
 if __name__ == "__main__":  # Ray and vLLM may spawn processes: the guard keeps them from re-running this

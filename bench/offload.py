@@ -23,16 +23,22 @@ import time
 
 import torch
 
+from results import Table, write
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "distributed"))
 
 
-def parse() -> argparse.Namespace:
+def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for name, default in (("hidden", 0), ("layers", 0), ("experts", 0), ("moe-ffn", 0), ("ffn", 0), ("heads", 0),
                           ("kv-heads", 0), ("vocab", 509), ("samples", 16), ("prompt", 200), ("response", 200)):
         p.add_argument(f"--{name}", type=int, default=default)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    return p.parse_args()
+    return p.parse_args(argv)
+
+
+def parse_defaults() -> dict:
+    return vars(parse([]))
 
 
 def model_dir(args) -> str:
@@ -121,6 +127,21 @@ def main() -> None:
           f"({moved / t_on / 2**30:.1f} GiB/s)")
     print(f"control (two identical updates): bit-identical {control[0]} (max diff {control[1]:.3g}); "
           f"after offload + onload + update: bit-identical {result[0]} (max diff {result[1]:.3g})")
+    device = f"{dev.kind}{' ' + torch.cuda.get_device_name() if dev.kind == 'cuda' else ''}"
+    memory = (f"{gb(before)} / {gb(during)} / {gb(after)} GiB" if before == before  # nan: no device counter
+              else f"no device counter on a {dev.kind}")
+    ident = lambda same: "bit-identical" if same[0] else f"DIFFERENT (max diff {same[1]:.3g})"  # noqa: E731
+    sizes = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v != parse_defaults().get(k))
+    write("offload", title="actor.offload on one device",
+          measures="Two identical Megatron actors take the same update; then one offloads params, grads and optimizer "
+                   "state, loads them back, and both take a second update: they must stay bit-identical.",
+          tables=[Table("offload", "What was checked", ["device, model", "control: two identical updates",
+                                                         "offload -> onload -> update",
+                                                         "device memory before / while / after"],
+                        [[f"{device}, {params / 1e9:.3f}B parameters, {args.dtype}" + (f" (`{sizes}`)" if sizes else ""),
+                          ident(control), ident(result) + " to the update without offload (weights and Adam state)",
+                          memory]])],
+          extra={"offload_s": t_off, "onload_s": t_on, "bytes": nbytes})
 
 
 if __name__ == "__main__":

@@ -15,26 +15,21 @@ Prints per loss: the mean reward over the first and the last third of the steps,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
+
+from common import run_main
+from results import Table, write
 
 EXTRA = {"gspo": ["actor.loss_agg_mode=seq-mean-token-mean"]}
 
 
 def run(loss: str, seed: int, steps: int, root: str, extra: list[str]) -> list[float]:
-    out = os.path.join(root, f"{loss}-{seed}")
-    args = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart",
-            f"actor.policy_loss={loss}", *EXTRA.get(loss, []), f"trainer.total_training_steps={steps}",
-            f"trainer.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}", "trainer.test_freq=0",
-            "trainer.val_before_train=false", "trainer.save_freq=-1", f"trainer.default_local_dir={out}", *extra]
-    proc = subprocess.run(args, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{loss} seed {seed} failed:\n{proc.stderr[-2000:]}")
-    return [json.loads(line)["reward/mean"] for line in open(os.path.join(out, "metrics.jsonl"))]
+    overrides = [f"actor.policy_loss={loss}", *EXTRA.get(loss, []), f"trainer.total_training_steps={steps}",
+                 f"trainer.seed={seed}", f"rollout.seed={seed}", f"data.seed={seed}", "trainer.test_freq=0",
+                 "trainer.val_before_train=false", "trainer.save_freq=-1", *extra]
+    return [r["reward/mean"] for r in run_main("quickstart", overrides, out_dir=os.path.join(root, f"{loss}-{seed}")).metrics()]
 
 
 def main() -> None:
@@ -49,6 +44,7 @@ def main() -> None:
     print(f"overrides: {' '.join(args.overrides) or 'none'}")
     print(f"| loss | first third | last third | gain per seed ({', '.join(map(str, seeds))}) | mean gain | spread |")
     print("|---|---|---|---|---|---|")
+    rows = []
     for loss in args.losses.split(","):
         firsts, lasts = [], []
         for seed in seeds:
@@ -60,6 +56,15 @@ def main() -> None:
         print(f"| {loss} | {statistics.mean(firsts):.3f} | {statistics.mean(lasts):.3f} | "
               f"{', '.join(f'{g:+.3f}' for g in gains)} | {statistics.mean(gains):+.3f} | "
               f"{max(gains) - min(gains):.3f} |", flush=True)
+        rows.append([loss, round(statistics.mean(firsts), 3), round(statistics.mean(lasts), 3),
+                     ", ".join(f"{g:+.3f}" for g in gains), f"{statistics.mean(gains):+.3f}", f"{max(gains) - min(gains):.3f}"])
+    write("policy_losses", title="Policy losses on the quickstart task",
+          measures="The reward of the first vs the last third of a quickstart run per policy loss and seed, one run "
+                   "after another: each seed's gain (last - first third), their mean and spread.",
+          tables=[Table("gains", f"Reward per policy loss, {args.steps} steps, seeds {args.seeds}; overrides: "
+                        f"{' '.join(args.overrides) or 'none'}",
+                        ["actor.policy_loss", "first third", "last third", f"gain per seed ({', '.join(map(str, seeds))})",
+                         "mean gain", "spread"], rows)])
 
 
 if __name__ == "__main__":

@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 from typing import Callable
 
 import psutil
+from common import NO_EVAL, run_main
+from results import Table, write
 
 
 def pss_mb(pid: int) -> float:
@@ -100,19 +100,19 @@ def run_sampled(config: str, steps: int, overrides: list[str], out: str, sampler
                 ) -> TreeSampler:
     """The quickstart as `config` (dynamic sampling off, no validation or checkpoints, plus
     `overrides`) into `out`, with `sampler(its pid)` reading its process tree meanwhile."""
-    cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", config,
-           "algorithm.filter_groups.enable=false", f"trainer.total_training_steps={steps}",
-           "trainer.save_freq=0", "trainer.test_freq=0", "trainer.val_before_train=false",
-           "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}", "trainer.resume_mode=disable", *overrides]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    reader = sampler(proc.pid)
-    reader.start()
-    _, err = proc.communicate(timeout=1800)
-    reader.stop.set()
-    reader.join()
-    if proc.returncode:
-        raise SystemExit(f"the quickstart failed:\n{err[-3000:]}")
-    return reader
+    readers = []
+
+    def start(proc) -> None:
+        readers.append(sampler(proc.pid))
+        readers[0].start()
+    try:
+        run_main(config, ["algorithm.filter_groups.enable=false", f"trainer.total_training_steps={steps}", *NO_EVAL,
+                          *overrides], out_dir=out, timeout=1800, on_start=start)
+    finally:
+        for reader in readers:
+            reader.stop.set()
+            reader.join()
+    return readers[0]
 
 
 def main() -> None:
@@ -133,6 +133,18 @@ def main() -> None:
     for name, mbs in sorted(by_role.items(), key=lambda kv: -sum(kv[1])):
         print(f"| {name} | {len(mbs)} | {sum(mbs):.0f} |")
     print(f"| **all, peak of the sum** | {len(sampler.peak)} | **{sampler.peak_sum:.0f}** |")
+    names = collections.Counter(sampler.names[pid] for pid in sampler.peak)
+    ranks, engines = names["ray::TrainWorker"], names["ray::EngineActor"]
+    write("process_memory", title="Memory of the quickstart by process",
+          measures="The quickstart's peak PSS by process (the driver, Ray's daemons and every role) and of their sum, "
+                   "sampled every 0.5 s: what the run costs the machine.",
+          tables=[Table("processes", f"{args.config}, {args.steps} steps: peak PSS by process "
+                        f"({sampler.peak_sum / 1024:.2f} GB in all, peak of the sum); overrides: "
+                        f"{' '.join(args.overrides) or 'none'}", ["process", "PSS MB"],
+                        [[f"{name} ({len(mbs)})" if len(mbs) > 1 else name, round(sum(mbs))]
+                         for name, mbs in sorted(by_role.items(), key=lambda kv: -sum(kv[1]))]),
+                  Table("layouts", "Peak PSS of the sum by layout", ["config", "training ranks", "engines", "peak PSS GB"],
+                        [[args.config, ranks, engines, round(sampler.peak_sum / 1024, 2)]])])
 
 
 if __name__ == "__main__":

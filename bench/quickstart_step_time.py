@@ -16,39 +16,28 @@ wall time less all its steps (`start+end`: what every end-to-end test pays per r
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import statistics
-import subprocess
-import sys
 import tempfile
-import time
 
 from _trees import HERE, checkouts
+from common import NO_EVAL, median, run_main
+from results import Table, write
 
 PHASES = ("timing/step", "timing/gen", "timing/trainer_wait", "reward/time_s", "timing/old_logprob", "timing/update",
           "timing/sync_wait", "timing/sync", "driver/cpu_s")
+WARMUP = 2  # steps left out of the medians
 # what `other` is the rest of (one_step_off: trainer_wait and sync_wait are the generation it waits for)
 NAMED = ("timing/gen", "timing/trainer_wait", "timing/old_logprob", "timing/update", "timing/sync_wait", "timing/sync")
 
 
 def _run(tree: str, out: str, steps: int, overrides: list[str], config: str) -> dict[str, float]:
-    # PYTHONPATH: the tree's package in the driver and in every Ray worker (they inherit the
-    # environment, not the driver's sys.path; the venv's editable install points at this checkout)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)}
-    t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "dapo_megatron.main", "--config-name", config,
-                    f"trainer.total_training_steps={steps}", "trainer.save_freq=0", "trainer.test_freq=0",
-                    "trainer.val_before_train=false", "trainer.logger=[jsonl]", f"trainer.default_local_dir={out}",
-                    "trainer.resume_mode=disable", *overrides], cwd=tree, env=env, check=True, capture_output=True,
+    run = run_main(config, [f"trainer.total_training_steps={steps}", *NO_EVAL, *overrides], out_dir=out, tree=tree,
                    timeout=1800)
-    wall = time.perf_counter() - t0
-    every = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    rows = every[2:]  # warm-up steps
-    med = {k: statistics.median(r.get(k, 0.0) for r in rows) for k in PHASES}  # no old_logprob: on-policy
-    med["other"] = statistics.median(r["timing/step"] - sum(r.get(k, 0.0) for k in NAMED) for r in rows)
+    every = run.metrics()
+    med = {k: median(every, k, skip=WARMUP) for k in PHASES}  # no old_logprob: on-policy
+    med["other"] = median(r["timing/step"] - sum(r.get(k, 0.0) for k in NAMED) for r in every[WARMUP:])
     # the command less its steps: start-up (imports, Ray, the roles) and end (save, stop, exit)
-    med["start+end"] = wall - sum(r["timing/step"] for r in every)
+    med["start+end"] = run.wall_s - sum(r["timing/step"] for r in every)
     return med
 
 
@@ -74,6 +63,19 @@ def main() -> None:
     print("| run | " + " | ".join(cols) + " |\n|" + "---|" * (len(cols) + 1))
     for name, med in rows:
         print(f"| {name} | " + " | ".join(f"{med[k]:.3f}" for k in cols) + " |")
+    rows_out = [[name, *(round(v, 3) if v else "-" for v in (
+        med["timing/step"], med["timing/gen"] + med["timing/trainer_wait"], med["reward/time_s"],
+        med["timing/old_logprob"], med["timing/update"], med["timing/sync"] + med["timing/sync_wait"], med["other"],
+        med["driver/cpu_s"]))] for name, med in rows]
+    write("quickstart_step_time", title="Quickstart step time by phase",
+          measures="The quickstart's step by phase (`timing/*`, median over steps 3..), the driver's CPU, for this "
+                   "checkout against an earlier commit (a git worktree) or other settings of itself, alternated.",
+          tables=[Table("phases", f"{args.config}'s step by phase (s), {args.rounds} rounds x {args.steps} steps, median of "
+                        f"steps {WARMUP + 1}-{args.steps}; every run: {' '.join(args.ours) or '-'}",
+                        ["run", "step", "generation", "of it scoring", "old log-probs", "update", "sync", "rest",
+                         "driver CPU"], rows_out,
+                        "generation: timing/gen + timing/trainer_wait; sync: timing/sync + timing/sync_wait")],
+          extra={"medians": dict(rows)})
 
 
 if __name__ == "__main__":

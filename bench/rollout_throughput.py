@@ -17,9 +17,11 @@ random text prompts of the same expanded lengths, one engine after the other; im
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
+
+from common import median
+from results import Table, write
 
 
 def _timed(fn, repeats: int) -> float:
@@ -28,7 +30,7 @@ def _timed(fn, repeats: int) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median(times)
 
 
 def _push_rows(engine, path: str, repeats: int, label: str = "", checksums: bool = True) -> list[tuple[str, str]]:
@@ -169,6 +171,11 @@ def main() -> None:
     print(f"\nrollout engine, {kind} tiny, {args.dtype}, device {get_device('auto').kind}")
     for name, value in rows:
         print(f"| {name:<{width}} | {value} |")
+    write("rollout_throughput", title="Rollout engine throughput",
+          measures="A tiny model in one in-process vLLM engine: its start-up, generation tokens/s and the time of a "
+                   "weight push by transport.",
+          tables=[Table("vl" if args.vl else "text", f"rollout engine, {kind} tiny, {args.dtype}, device "
+                        f"{get_device('auto').kind}", ["measure", "result"], [list(r) for r in rows])])
 
 
 if __name__ == "__main__":  # vLLM may spawn processes: the guard keeps them from re-running this

@@ -16,26 +16,22 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
+
+from common import run_main
+from results import Table, write
 
 VAL_GAIN = 0.05
 
 
 def run_seed(seed: int, overrides: list[str], out: str) -> dict:
-    cmd = [sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart_vl",
-           f"data.seed={seed}", f"rollout.seed={seed}", f"trainer.seed={seed}", "trainer.logger=[jsonl]",
-           f"trainer.default_local_dir={out}", "trainer.resume_mode=disable", *overrides]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
-    if proc.returncode:
-        raise SystemExit(f"seed {seed} failed:\n{proc.stderr[-3000:]}")
-    rows = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    run = run_main("quickstart_vl", [f"data.seed={seed}", f"rollout.seed={seed}", f"trainer.seed={seed}",
+                                     "trainer.logger=[jsonl]", "trainer.resume_mode=disable", *overrides],
+                   out_dir=out, timeout=3600)
+    rows = run.metrics()
     acc = [r["acc/mean"] for r in rows if "acc/mean" in r]
     fifth = max(1, len(acc) // 5)
-    return {"seed": seed, "wall_s": time.perf_counter() - t0, "steps": len(acc),
+    return {"seed": seed, "wall_s": run.wall_s, "steps": len(acc),
             "fifths": [statistics.mean(acc[i * fifth:(i + 1) * fifth]) for i in range(5)],
             "val": [(r["step"], r["val/acc"]) for r in rows if "val/acc" in r]}
 
@@ -73,6 +69,19 @@ def main() -> None:
     gain = statistics.mean(last) - statistics.mean(first)
     seed_spread = max(spread(first), spread(last))
     val_ok = all(r["val"][-1][1] >= r["val"][0][1] + VAL_GAIN for r in runs)
+    table = [[str(r["seed"]), " ".join(f"{a:.3f}" for a in r["fifths"]), " / ".join(f"{v:.3f}" for _, v in r["val"]),
+              f"{r['val'][-1][1] - r['val'][0][1]:+.3f}", f"{r['fifths'][-1] - r['fifths'][0]:+.3f}"] for r in runs]
+    table.append(["mean (spread)", " ".join(f"{m:.3f} ({s:.3f})" for m, s in zip(fifths_mean, fifths_sd)),
+                  " / ".join(f"{statistics.mean(r['val'][i][1] for r in runs):.3f}" for i in range(len(val_steps))), "", ""])
+    write("vl_seeds", title="The VL demo over seeds",
+          measures="`quickstart_vl` once per seed (`data.seed`, `rollout.seed`, `trainer.seed`), one run after the "
+                   "other: the sampled accuracy by fifths of the steps, the greedy val accuracy at each validation.",
+          tables=[Table("seeds", f"quickstart_vl, {runs[0]['steps']} steps, one run per seed; overrides: "
+                        f"{' '.join(args.overrides) or 'none'}",
+                        ["seed", f"sampled accuracy by fifths of the {runs[0]['steps']} steps",
+                         "greedy val at steps " + " / ".join(map(str, val_steps)), "val gain", "last - first fifth"],
+                        table)],
+          extra={"runs": runs})
     print(f"\nevery seed's greedy val gains >= {VAL_GAIN}: {'yes' if val_ok else 'NO'}; sampled accuracy, last fifth "
           f"- first fifth {gain:+.3f} vs twice the seed spread {2 * seed_spread:.3f}: "
           f"{'yes' if gain > 2 * seed_spread else 'NO'}")

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import psutil
 
+from common import median, run_main  # bench/ is this script's folder: on sys.path
 from dapo_megatron.assets import resolve_asset_path
 from dapo_megatron.config import load_config
-from process_memory import pss_mb  # bench/ is this script's folder: on sys.path
+from process_memory import pss_mb
+from results import Table, write
 
 ROOT = Path(__file__).resolve().parent.parent
 TRL_VENV = Path.home() / ".cache" / "dapo-megatron" / "bench" / "trl-venv"
@@ -103,20 +105,27 @@ def tree_pss_gb(root: int) -> float:
     return sum(pss_mb(p.pid) for p in procs) / 1024
 
 
+def watch_pss(proc: subprocess.Popen, peaks: list) -> None:
+    """Sample `proc`'s tree PSS every 0.5 s until it exits; its peak (GB) appended to `peaks`."""
+    peak = 0.0
+    while proc.poll() is None:
+        peak = max(peak, tree_pss_gb(proc.pid))
+        time.sleep(0.5)
+    peaks.append(peak)
+
+
 def run_measured(cmd: list[str], out: Path) -> float:
-    """Run `cmd` to the end with its output in out/run.log; returns its peak tree PSS (GB),
-    sampled every 0.5 s."""
+    """Run `cmd` (TRL's side) to the end with its output in out/run.log; returns its peak tree
+    PSS (GB), sampled every 0.5 s as `run_ours` samples ours."""
     out.mkdir(parents=True, exist_ok=True)
+    peaks: list = []
     with open(out / "run.log", "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        peak = 0.0
-        while proc.poll() is None:
-            peak = max(peak, tree_pss_gb(proc.pid))
-            time.sleep(0.5)
+        watch_pss(proc, peaks)
     if proc.returncode:
         tail = (out / "run.log").read_text().splitlines()[-30:]
         raise SystemExit(f"vs_trl: {' '.join(cmd[:3])} ... exited {proc.returncode}:\n" + "\n".join(tail))
-    return peak
+    return peaks[0]
 
 
 def run_trl(settings: dict, out: Path) -> tuple[list[dict], float]:
@@ -131,10 +140,12 @@ def run_trl(settings: dict, out: Path) -> tuple[list[dict], float]:
 
 
 def run_ours(overrides: list[str], out: Path, steps: int, groups: int) -> tuple[list[dict], float]:
-    peak = run_measured([sys.executable, "-m", "dapo_megatron.main", "--config-name", "quickstart", *overrides,
-                         f"trainer.total_training_steps={steps}", f"trainer.default_local_dir={out}"], out)
+    out.mkdir(parents=True, exist_ok=True)
+    peaks: list = []
+    run = run_main("quickstart", [*overrides, f"trainer.total_training_steps={steps}"], out_dir=str(out), tree=str(ROOT),
+                   log=str(out / "run.log"), on_start=lambda proc: watch_pss(proc, peaks))
     rows = []
-    for m in (json.loads(line) for line in open(out / "metrics.jsonl")):
+    for m in run.metrics():
         if m.get("sampling/generated_groups", groups) != groups:  # TRL generates exactly the trained batch
             raise SystemExit(f"vs_trl: step {m['step']} generated {m['sampling/generated_groups']:.0f} groups, "
                              f"trained {groups}: check data.gen_batch_size")
@@ -142,15 +153,15 @@ def run_ours(overrides: list[str], out: Path, steps: int, groups: int) -> tuple[
         rows.append({"step": m["step"], "reward": m["reward/mean"], "gen": m["timing/gen"] - score, "score": score,
                      **{k: m.get(f"timing/{k}", 0.0) for k in ("old_logprob", "update", "sync")},
                      "step_s": m["timing/step"]})
-    return rows, peak
+    return rows, peaks[0]
 
 
 def summary(rows: list[dict], responses: int, peak: float) -> dict:
     """Medians over the steps after the warm-up; `other` is what the named phases leave of a step."""
     timed = rows[WARMUP_STEPS:] or rows
-    med = {k: statistics.median(r.get(k, 0.0) for r in timed) for k in ("step_s", *PHASES[:-1])}
-    med["other"] = statistics.median(r["step_s"] - sum(r.get(k, 0.0) for k in PHASES[:-1]) for r in timed)
-    return {**med, "responses/s": statistics.median(responses / r["step_s"] for r in timed), "pss_gb": peak}
+    med = {k: median(timed, k) for k in ("step_s", *PHASES[:-1])}
+    med["other"] = median(r["step_s"] - sum(r.get(k, 0.0) for k in PHASES[:-1]) for r in timed)
+    return {**med, "responses/s": median(responses / r["step_s"] for r in timed), "pss_gb": peak}
 
 
 def print_report(runs: list[tuple[str, dict, list[dict]]], steps: int, responses: int) -> None:
@@ -161,17 +172,34 @@ def print_report(runs: list[tuple[str, dict, list[dict]]], steps: int, responses
         print(f"| {name} | {s['responses/s']:.0f} | {s['step_s']:.3f} | " + " | ".join(f"{s[k]:.3f}" for k in PHASES)
               + f" | {s['pss_gb']:.2f} |")
     by = {side: [s for n, s, _ in runs if n.startswith(side)] for side in ("TRL", "ours")}
-    rate, pss = (statistics.median(s[k] for s in by["ours"]) / statistics.median(s[k] for s in by["TRL"])
+    rate, pss = (median(s[k] for s in by["ours"]) / median(s[k] for s in by["TRL"])
                  for k in ("responses/s", "pss_gb"))
     print(f"\nours / TRL: responses/s {rate:.2f}x (target >= 1.0x), peak PSS {pss:.2f}x (target <= 2.5x)")
     stride = 10 if steps >= 20 else max(1, steps // 2)
     windows = [(lo, min(lo + stride - 1, steps)) for lo in range(1, steps + 1, stride)]
     print("\nmean reward over steps\n\n| steps | " + " | ".join(n for n, _, _ in runs) + " |\n|"
           + "---|" * (len(runs) + 1))
-    for lo, hi in windows:
-        cells = [statistics.fmean(r["reward"] for r in rows if lo <= r["step"] <= hi) for _, _, rows in runs]
+    reward = [[statistics.fmean(r["reward"] for r in rows if lo <= r["step"] <= hi) for _, _, rows in runs]
+              for lo, hi in windows]
+    for (lo, hi), cells in zip(windows, reward):
         print(f"| {lo}-{hi} | " + " | ".join(f"{c:+.3f}" for c in cells) + " |")
     print("\n" + NOTES)
+    cell = lambda s, k: round(s[k], 3) or "-"  # noqa: E731  (TRL has no weight sync, no `other`)
+    write("vs_trl", title="TRL's DAPO trainer against our quickstart",
+          measures="TRL's GRPOTrainer(loss_type=\"dapo\") against our quickstart on the same model, data, reward and "
+                   "batch, alternated in one run: responses/s, the step's anatomy, the peak PSS of each run's processes.",
+          tables=[Table("runs", f"TRL and ours alternated, {len(runs) // 2} rounds x {steps} steps, median of steps "
+                        f"{WARMUP_STEPS + 1}-{steps}", ["run", "responses/s", "step s", "generation", "scoring", "update",
+                                                        "weight sync", "rest", "peak PSS GB"],
+                        [[name, round(s["responses/s"]), round(s["step_s"], 3), cell(s, "gen"), cell(s, "score"),
+                          round(s["old_logprob"] + s["update"], 3), cell(s, "sync"), cell(s, "other"),
+                          round(s["pss_gb"], 2)] for name, s, _ in runs],
+                        "update: ours' old log-prob pass (when it runs one) and update"),
+                  Table("reward", "Mean reward over steps, the same runs",
+                        ["run", *(f"steps {lo}-{hi}" for lo, hi in windows)],
+                        [[name, *(round(reward[w][i], 2) for w in range(len(windows)))]
+                         for i, (name, _, _) in enumerate(runs)])],
+          extra={"notes": NOTES})
 
 
 def main() -> None:

@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import tempfile
 import time
+
+from common import median
+from results import Table, write
 
 # hidden 512, 8 heads (head_dim 64), 4 kv heads, 8 experts of 512, vocab 4096: ~7.1M params per
 # layer, ~4.2M in the embeddings; the layer count sets the size.
@@ -35,7 +37,7 @@ def _median_time(fn, repeats: int) -> tuple[float, object]:
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return median(times), out
 
 
 def _raw_transfer(nbytes: int, bucket_bytes: int, repeats: int) -> float:
@@ -62,7 +64,7 @@ def _raw_transfer(nbytes: int, bucket_bytes: int, repeats: int) -> float:
             return time.perf_counter() - t0
 
     sink, source = Sink.remote(), Source.remote()
-    sec = statistics.median(ray.get(source.send.remote(sink, nbytes, bucket_bytes)) for _ in range(repeats))
+    sec = median(ray.get(source.send.remote(sink, nbytes, bucket_bytes)) for _ in range(repeats))
     ray.kill(sink)
     ray.kill(source)
     return sec
@@ -97,7 +99,7 @@ def _raw_broadcast(nbytes: int, bucket_bytes: int, repeats: int, device: str) ->
     times = ray.get([p.run.remote(address, r, sizes, repeats) for r, p in enumerate(peers)])[1]
     for peer in peers:
         ray.kill(peer)
-    return statistics.median(times)
+    return median(times)
 
 
 def _memcpy(nbytes: int, repeats: int) -> float:
@@ -158,6 +160,18 @@ def main() -> None:
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
     for r in rows:
         print("| " + " | ".join(r) + " |")
+    transports = args.transports.split(",")
+    by_case = {}  # (params, layout) -> transport -> sync s
+    for r in rows:
+        by_case.setdefault((r[0], r[1]), {})[r[2]] = r[6]
+    write("weight_sync", title="Weight sync, actor -> vLLM engine",
+          measures="The driver's own weight sync (pause -> each rank sends what it owns -> post-process -> resume) "
+                   "into one in-process vLLM engine, by model size, actor layout and transport.",
+          tables=[Table("sync", f"Seconds a sync into one engine, by model size, actor layout and transport (median of "
+                        f"{args.repeats} syncs)", ["params", "actor layout", *(f"{t} (s)" for t in transports)],
+                        [[params, layout, *(t_s.get(t, "-") for t in transports)]
+                         for (params, layout), t_s in by_case.items()])],
+          extra={"columns": list(head), "rows": rows})
 
 
 if __name__ == "__main__":  # vLLM and Ray may spawn processes: the guard keeps them from re-running this

@@ -23,7 +23,7 @@ EXIT_ROLE_DIED = 1  # a role died and trainer.max_restarts allowed no (more) res
 REQUIRED_MODULES = {
     "megatron.core": "megatron-core (a core dependency)",
     "ray": "ray (a core dependency)",
-    "vllm": "vllm: the cpu / gpu / npu extra (Ascend: vllm + vllm-ascend, README 'Ascend')",
+    "vllm": "vllm: the cpu / gpu / npu extra (Ascend: vllm + vllm-ascend, docs/recipes/qwen3-30b-a3b.md)",
 }
 
 

@@ -1,4 +1,4 @@
-"""pytest plugin of bench/unit_phase.py: each test's start and end, with its xdist worker, appended
+"""pytest plugin of dev/unit_phase.py: each test's start and end, with its xdist worker, appended
 to $TEST_TIMES as `<unix time> <worker> start|end <nodeid>` (one short write a line: the workers
 share the file). Only xdist workers write: the controlling process hears of the same tests."""
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What the tests marked `background` cost the tests they run beside: a selection of the
 end-to-end phase with and without them, alternated.
 
-    python bench/background_cost.py [--rounds 2] [-- pytest args ...]
+    python dev/background_cost.py [--rounds 2] [-- pytest args ...]
 
 Each round runs the selection (default: test_async.py, test_driver.py and test_shapes_sync.py,
 ~8-10 min here, serially as the test command's second phase does) twice, first alone, then with
@@ -21,7 +21,9 @@ import tempfile
 import threading
 import time
 
-from _trees import HERE
+# bench/_trees.py (the baseline worktree) is shared with the benches that compare commits
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from _trees import HERE  # noqa: E402
 
 IDLE = ["chrt", "--idle", "0"] if shutil.which("chrt") else ["nice", "-n", "19"]  # as launch/run_tests.sh
 SELECTION = ["tests/e2e/test_async.py", "tests/e2e/test_driver.py", "tests/e2e/test_shapes_sync.py"]

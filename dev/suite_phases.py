@@ -1,7 +1,7 @@
 """The test command's wall time by phase, and how much of the two cores each phase keeps busy:
 this checkout against an earlier commit, one after the other in one run.
 
-    python bench/suite_phases.py [--baseline 37cb238] [--every 2] [--logs DIR]
+    python dev/suite_phases.py [--baseline 37cb238] [--every 2] [--logs DIR]
 
 Runs each tree's own `launch/run_tests.sh` (the README's test command, what CI runs) with this
 checkout's venv: linked into the baseline's worktree, with the set-up stamp its files ask for
@@ -28,7 +28,9 @@ import time
 
 import psutil
 
-from _trees import HERE, checkouts
+# bench/_trees.py (the baseline worktree) is shared with the benches that compare commits
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from _trees import HERE, checkouts  # noqa: E402
 
 SUMMARY = re.compile(r"^\d+ (passed|failed)\b.* in [\d.]+s")
 

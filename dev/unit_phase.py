@@ -1,11 +1,11 @@
 """The test suite's unit phase as `launch/run_tests.sh` runs it, with when each test ran on which
 xdist worker: this checkout against an earlier commit, alternated in one run.
 
-    python bench/unit_phase.py [--baseline a84b4be] [--rounds 1] [--top 4]
+    python dev/unit_phase.py [--baseline a84b4be] [--rounds 1] [--top 4]
 
 Each run builds the tool task's bundle beside the phase into a fresh `$DAPO_TEST_BUNDLES` and runs
 `pytest -n 2 -m "not background" tests/unit` with one OpenMP thread, as the test command does (the
-tests marked `background` it runs beside the phases at idle priority: `bench/suite_phases.py`), from
+tests marked `background` it runs beside the phases at idle priority: `dev/suite_phases.py`), from
 this checkout and from the baseline commit checked out into a temporary git worktree (`--baseline
 none`: this checkout only), with this venv. A pytest plugin (`_test_times.py`, beside this file) logs each
 test's start and end on its worker. Prints, per run: the phase's wall time, when each worker
@@ -23,7 +23,9 @@ import tempfile
 import threading
 import time
 
-from _trees import checkouts
+# bench/_trees.py (the baseline worktree) is shared with the benches that compare commits
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+from _trees import checkouts  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -45,7 +45,7 @@ case "$extra" in
     echo "setup_env: NVIDIA GPU: dapo-megatron[gpu,dev] (vllm, transformer-engine)"
     "${pip[@]}" -e ".[gpu,dev]";;
   npu)
-    echo "setup_env: Ascend NPU: dapo-megatron[npu,dev]; MindSpeed, vLLM and vllm-ascend are separate steps (README, Ascend)"
+    echo "setup_env: Ascend NPU: dapo-megatron[npu,dev]; MindSpeed, vLLM and vllm-ascend are separate steps (docs/recipes/qwen3-30b-a3b.md)"
     "${pip[@]}" -e ".[npu,dev]";;
   *) echo "setup_env: DAPO_EXTRA must be cpu, gpu or npu, got '$extra'" >&2; exit 2;;
 esac

@@ -176,7 +176,7 @@ def resolve_asset_path(path: str) -> str:
         # kept, not rebuilt: another run may be training from it (rebuilding is asked for, --force)
         warnings.warn(f"the tiny assets in {root} are {manifest.get('asset_version')}, this checkout's recipe is "
                       f"{version}: rebuild them with `python -m dapo_megatron.assets build --bundle {bundle} "
-                      f"--out {root} --force` for the figures the README gives", stacklevel=2)
+                      f"--out {root} --force` for the figures the docs give", stacklevel=2)
     if manifest is None:
         print(f"dapo-megatron: {path} is used for the first time: building the tiny assets in {root} (1-4 "
               f"minutes on 2 CPU cores, once; set ${ASSETS_ENV} to put them elsewhere)", file=sys.stderr, flush=True)

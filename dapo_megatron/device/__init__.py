@@ -270,7 +270,7 @@ class Device:
         """Environment for every process of a run (ranks, engines, the rollout manager, the data
         plane). One glibc arena per process: with one per thread (up to 8 x cores), each thread's
         heap kept its own free holes resident and a long run's engine and ranks crept 7-15 kB a
-        step around a flat live heap (#39; README, Known limits). A value the user set wins."""
+        step around a flat live heap (#39; docs/fault-tolerance.md). A value the user set wins."""
         arenas = os.environ.get("MALLOC_ARENA_MAX", "1")
         if not arenas.isdigit() or arenas == "0":
             raise ValueError(f"MALLOC_ARENA_MAX={arenas!r} in the environment: set it to a whole "

@@ -8,6 +8,8 @@ import json
 
 import pytest
 
+from tests.doc_runs import doc_args
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
@@ -26,7 +28,7 @@ def test_tools_quickstart_two_steps_early_stop(tool_assets, tmp_path, capsys):
         "actor.policy_loss": "cispo", "actor.rollout_correction.is_level": "token"}
     import ray
     try:
-        assert main(["--config-name", "quickstart_tools", *[f"{k}={v}" for k, v in overrides.items()]]) == 0
+        assert main([*doc_args("python -m dapo_megatron.main --config-name quickstart_tools"), *[f"{k}={v}" for k, v in overrides.items()]]) == 0
     finally:
         ray.shutdown()
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]

@@ -10,6 +10,8 @@ import os
 
 import pytest
 
+from tests.doc_runs import doc_args
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 HERE = os.path.dirname(__file__)
@@ -36,7 +38,7 @@ def test_vl_quickstart_sync_then_resume_early_stop(tiny_vl_model, geo3k_data, tm
         # The resume runs in this process on the Ray the first run started, as a notebook's second
         # run does: the first run's end gave back its placement group, actors and data plane.
         for steps, mode in ((2, "sync"), (3, "early_stop")):
-            assert main(["--config-name", "quickstart_vl", *_overrides(tiny_vl_model, geo3k_data, out, steps, mode)]) == 0
+            assert main([*doc_args("python -m dapo_megatron.main --config-name quickstart_vl"), *_overrides(tiny_vl_model, geo3k_data, out, steps, mode)]) == 0
             assert ray.is_initialized()
     finally:
         ray.shutdown()

@@ -1,0 +1,114 @@
+"""bench/async_sim.py drives the real rollout manager and the real `loop.train_step` with timed
+stand-ins: a change to either's interface fails here, not in the next bench run. Ray takes
+longer to start than this test may (~7 s on a busy 2-core machine), so its actors run in this
+process: `.remote()` on a thread pool per actor (one per concurrency group, Ray's sizes), a
+future for an ObjectRef."""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import importlib.util
+import json
+import os
+import sys
+import time
+
+import pytest
+import ray
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BENCH = os.path.join(ROOT, "bench")
+
+
+def _load(name: str):
+    sys.path.insert(0, BENCH)  # the scripts import their neighbours (common, results) by name
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", os.path.join(BENCH, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Actor:
+    def __init__(self, instance, options: dict):
+        self._instance = instance
+        groups = options.get("concurrency_groups") or {}
+        self._pools = {None: cf.ThreadPoolExecutor(options.get("max_concurrency", 1))}
+        self._pools.update({g: cf.ThreadPoolExecutor(n) for g, n in groups.items()})
+
+    def __getattr__(self, name: str):
+        method = getattr(self._instance, name)
+        pool = self._pools[getattr(method, "__ray_concurrency_group__", None)]
+        return type("Method", (), {"remote": staticmethod(lambda *a, **kw: pool.submit(method, *a, **kw))})
+
+    def kill(self) -> None:
+        for pool in self._pools.values():
+            pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _get(refs, timeout=None):
+    if isinstance(refs, list):
+        return [_get(r, timeout) for r in refs]
+    try:
+        return refs.result(timeout)
+    except cf.TimeoutError:
+        raise ray.exceptions.GetTimeoutError() from None
+
+
+def _wait(refs, num_returns=1, timeout=None):
+    end = None if timeout is None else time.monotonic() + timeout
+    while True:
+        done = [r for r in refs if r.done()]
+        left = None if end is None else end - time.monotonic()
+        if len(done) >= num_returns or (left is not None and left <= 0):
+            return done[:num_returns], [r for r in refs if r not in done[:num_returns]]
+        cf.wait([r for r in refs if not r.done()], timeout=left, return_when=cf.FIRST_COMPLETED)
+
+
+@pytest.fixture
+def in_process_ray(monkeypatch):
+    actors = []
+
+    def remote(**options):
+        def wrap(cls):
+            def start(*a, **kw):
+                actors.append(_Actor(cls(*a, **kw), options))
+                return actors[-1]
+            return type("ActorClass", (), {"remote": staticmethod(start)})
+        return wrap
+    monkeypatch.setattr(ray, "remote", remote)
+    monkeypatch.setattr(ray, "get", _get)
+    monkeypatch.setattr(ray, "wait", _wait)
+    monkeypatch.setattr(ray, "kill", lambda actor, **_: None)
+    yield
+    for actor in actors:
+        actor.kill()
+
+
+def test_async_sim_runs_the_trainer_loop(in_process_ray, tmp_path, monkeypatch):
+    sim = _load("async_sim")
+    results = sys.modules["results"]
+    monkeypatch.setattr(results, "machine_speed", lambda: {"python_loop_s": 0.0})  # a second of timing loops
+    tiny = sim.Cluster(engines=1, slots=16, a=0.02, b=1e-4, p0=0.01, p_tok=1e-5, prompt_len=(8, 16), length_median=20.0,
+                       length_sigma=0.5, solve=(1.0, 1.0), logprob_s=(0.2, 0.0), update_s=(0.4, 0.0), sync_s=0.2,
+                       score_s=0.001, overrides=("data.train_batch_size=4", "data.gen_batch_size=6",
+                                                 "actor.ppo_mini_batch_size=4", "rollout.n=4",
+                                                 "data.max_response_length=64"))
+    runs, simulate = [], sim.simulate  # the rows of each mode's run, as large_table gets them
+    monkeypatch.setattr(sim, "simulate", lambda *a, **kw: runs.append(simulate(*a, **kw)) or runs[-1])
+    steps = sim.WARMUP + 1  # the fewest large_table reports on
+    table = sim.large_table(steps, 100.0, 1, cluster=tiny, modes={"async k=2": sim.MODES["async k=2"]})
+
+    (rows,) = runs
+    assert len(rows) == steps
+    for r in rows:  # virtual seconds: each step at least its update, the stand-in's model time
+        assert r["timing/step"] >= tiny.update_s[0] * 0.9
+        assert r["sampling/kept_groups"] >= 4 and r["sim/kept_responses"] == 4 * r["sampling/kept_groups"]
+        assert 0 <= r["rollout/staleness_max"] <= 2 and r["sim/engine_busy"] >= 0
+    assert rows[0]["rollout/staleness_max"] == 0 < max(r["rollout/staleness_max"] for r in rows)  # async: lag after a push
+    assert sum(r["sim/engine_busy"] for r in rows) > 0
+    (row,) = table.rows
+    assert row[0] == "async k=2" and row[2] == "1.00x" and float(row[1]) > 0  # responses/s
+    path = results.write("async_sim", title="t", measures=sim.MEASURES, tables=[table], results_dir=str(tmp_path))
+    doc = json.load(open(path))
+    assert all(doc[k] for k in results.REQUIRED) and doc["tables"][0]["id"] == "large"
+    assert len(doc["tables"][0]["columns"]) == len(doc["tables"][0]["rows"][0]) == 12
