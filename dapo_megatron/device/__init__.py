@@ -343,6 +343,15 @@ class Device:
         """Per-process set-up of a training rank. On CPU: share the cores between the ranks."""
         self.row.setup_process(processes_per_node)
 
+    def meta_build(self):
+        """A context in which Megatron's own device tensors (DDP buffers) land on the meta
+        device, for a real shape built rank by rank with no memory (plan/build.py). The CPU
+        backend's patches do it; a build on any host uses them."""
+        if self.kind != "cpu":
+            raise ValueError(f"a meta-device build runs on the CPU backend (get_device('cpu')), not {self.kind}")
+        from dapo_megatron.device.megatron_cpu import cuda_on_meta
+        return cuda_on_meta()
+
     def setup_megatron(self) -> None:
         """Prepare this process for megatron-core; call before building any Megatron model."""
         self.row.setup_megatron()

@@ -18,6 +18,9 @@ from dapo_megatron.device import megatron_local_spec
 
 _INSTALLED = False
 _THREAD = threading.local()  # torch function modes are per thread
+# Where Megatron's "cuda" tensors go: the host, or the meta device while a real shape is built
+# (`cuda_on_meta`): DDP's buffers ask for torch.cuda.current_device() by name.
+_TARGET = ["cpu"]
 
 
 def _is_cuda(device) -> bool:
@@ -40,10 +43,10 @@ class _CudaToCpuMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
+            name = func(*args).replace("torch.meta.", "torch.", 1)  # a real shape's meta tensors too
             return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
         if "device" in kwargs and (_is_cuda(kwargs["device"]) or isinstance(kwargs["device"], int)):
-            kwargs = {**kwargs, "device": "cpu"}
+            kwargs = {**kwargs, "device": _TARGET[0]}
         if func is torch.Tensor.cuda:
             return args[0]
         # Symptom: "Wrapped parameters must be one of torch.cuda.FloatTensor" (DistributedOptimizer,
@@ -53,7 +56,7 @@ class _CudaToCpuMode(TorchFunctionMode):
             name = func(*args)
             return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if func is torch.Tensor.to and any(_is_cuda(a) for a in args[1:]):
-            args = tuple("cpu" if _is_cuda(a) else a for a in args)
+            args = tuple(_TARGET[0] if _is_cuda(a) else a for a in args)
         return func(*args, **kwargs)
 
 
@@ -112,7 +115,7 @@ class CpuRNGStatesTracker:
 def _patch_torch_cuda() -> None:
     # Symptom: `torch.cuda.current_device()` in RoPE, the memory buffer, the router, mappings and
     # p2p asserts "Torch not compiled with CUDA enabled"; resolve the current device to cpu.
-    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.current_device = lambda: _TARGET[0]
     # Symptom: the same assertion from `torch.cuda.synchronize()` in checkpoint save and p2p.
     torch.cuda.synchronize = lambda *a, **k: None
 
@@ -156,6 +159,17 @@ def import_without_compile() -> None:
         import megatron.core  # noqa: F401
     finally:
         torch.compile = compile_
+
+
+@contextlib.contextmanager
+def cuda_on_meta():
+    """Megatron's "cuda" tensors land on the meta device: the DDP buffers of a real shape built
+    with no memory (plan/build.py). Host tensors go where torch's default device says."""
+    _TARGET[0] = "meta"
+    try:
+        yield
+    finally:
+        _TARGET[0] = "cpu"
 
 
 def install() -> None:

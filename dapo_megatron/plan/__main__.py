@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 from pathlib import Path
 
 from dapo_megatron.config import ConfigError, load_config
@@ -49,6 +50,9 @@ def main(argv=None) -> int:
     p.add_argument("--device-memory-gb", type=float, default=0.0,
                    help="one device's memory (default: trainer.device_memory_gb, else the device's)")
     p.add_argument("--max-response", action="store_true", help="also print the largest max_response_length that fits")
+    p.add_argument("--build", action="store_true",
+                   help="build every distinct actor rank at the real shape on the meta device (Megatron-Core, torch's "
+                        "fake process group) and check its state against the plan's, byte for byte; exit 1 if not equal")
     p.add_argument("overrides", nargs="*")
     args = p.parse_args(argv)
     try:
@@ -57,6 +61,8 @@ def main(argv=None) -> int:
     except (ConfigError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.build:
+        return _build(cfg, spec)
     memory, flash = device_bytes(cfg, args.device_memory_gb)
     plan = make_plan(cfg, spec, memory, flash=flash)
     print(render(plan))
@@ -68,6 +74,16 @@ def main(argv=None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _build(cfg, spec) -> int:
+    from dapo_megatron.plan.build import build_ranks, render_row
+    start = time.perf_counter()
+    builds = build_ranks(cfg, spec, on_rank=lambda b: print(render_row(b), flush=True))
+    bad = [b.rank for b in builds if not b.equal]
+    print(f"{len(builds)} distinct ranks built in {time.perf_counter() - start:.1f} s: "
+          + (f"ranks {bad} differ from the plan" if bad else "every one equal to the plan"))
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ through the ground floor's `dapo_megatron.parallel` (`coords()`, `group()`), nev
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import traceback
@@ -66,6 +67,33 @@ def init_parallel(cfg: ParallelConfig, device: Device | None = None, *, seed: in
         expert_tensor_parallel_size=cfg.etp, distributed_timeout_minutes=max(1, -(-timeout_s // 60)))
     seed_all(seed, device)
     return coords()
+
+
+@contextlib.contextmanager
+def fake_rank(cfg: ParallelConfig, rank: int, world: int):
+    """This process as `rank` of `world` over torch's fake process group, Megatron's parallel
+    state initialised over it (its gloo groups made fake too: the distributed optimizer asks for
+    them); yields the rank's Coords. For real shapes built on the meta device (plan/build.py)."""
+    from megatron.core import parallel_state as mpu
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    new_group = dist.new_group
+
+    def fake_gloo(*args, **kwargs):
+        if kwargs.get("backend") == "gloo":
+            kwargs["backend"] = None
+        return new_group(*args, **kwargs)
+    dist.new_group = fake_gloo
+    try:
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tp, pipeline_model_parallel_size=cfg.pp,
+            virtual_pipeline_model_parallel_size=cfg.vpp if cfg.vpp > 1 else None, context_parallel_size=cfg.cp,
+            expert_model_parallel_size=cfg.ep, expert_tensor_parallel_size=cfg.etp)
+        dist.new_group = new_group
+        yield coords()
+    finally:
+        dist.new_group = new_group
+        destroy_parallel()
 
 
 def destroy_parallel() -> None:
