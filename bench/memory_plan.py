@@ -58,9 +58,10 @@ def measured_vs_planned(lengths: list[int], rows: int) -> list[list]:
     return table
 
 
-def shipped_configs() -> tuple[list[str], list[list]]:
+def shipped_configs() -> tuple[list[str], list[list], str]:
     """Prints each 30B config's plan per phase; returns the `configs` table's phase names and rows
-    (a row per config: GiB per phase, the peak's verdict, the largest max_response_length that fits)."""
+    (a row per config: GiB per phase, the peak's verdict, the largest max_response_length that
+    fits) and the peaks in a line."""
     from dapo_megatron.config import available_configs, load_config
     from dapo_megatron.plan import GiB, make_plan, max_response_length
     from dapo_megatron.plan.__main__ import model_spec
@@ -72,14 +73,15 @@ def shipped_configs() -> tuple[list[str], list[list]]:
         print(f"{name} ({memory / GiB:.0f} GiB): " + ", ".join(f"{p.name} {p.total / GiB:.1f}"
                                                                for p in plans[name][0].phases))
     phases = list(dict.fromkeys(p.name for plan, _ in plans.values() for p in plan.phases))
-    table = []
+    table, peaks = [], []
     for name, (plan, longest) in plans.items():
         by = {p.name: f"{p.total / GiB:.1f}" for p in plan.phases}
         peak, memory = plan.peak, plan.device_bytes / GiB
         verdict = f"{peak.name} {peak.total / GiB:.1f} / {memory:.0f}: " + (
             f"fits, {1 - peak.total / plan.device_bytes:.0%} free" if plan.fits else "DOES NOT FIT")
         table.append([f"`{name}` ({memory:.0f} GiB)", *(by.get(ph, "-") for ph in phases), verdict, longest])
-    return phases, table
+        peaks.append(f"{name}: {peak.name} {peak.total / GiB:.1f} / {memory:.0f}")
+    return phases, table, "; ".join(peaks)
 
 
 def main() -> None:
@@ -88,9 +90,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2)
     args = p.parse_args()
     cpu = measured_vs_planned([int(x) for x in args.lengths.split(",")], args.rows)
-    phases, configs = shipped_configs()
+    phases, configs, peaks = shipped_configs()
     ratios = [row[-1] for row in cpu if not str(row[0]).startswith("slope")]
-    peaks = "; ".join(f"{row[0].split()[0].strip('`')}: {row[-2].split(':')[0]}" for row in configs)
     write("memory_plan", summary=f"plan / measured on a CPU rank {min(ratios)}-{max(ratios)}; peaks {peaks}",
           title="The memory plan against a CPU rank, and the shipped 30B configs' plans",
           measures="The plan's activation and logits terms against the peak resident set of an fp32 update on one "

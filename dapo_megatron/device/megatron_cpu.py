@@ -42,19 +42,16 @@ class _CudaToCpuMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        # Symptom: "Wrapped parameters must be one of torch.cuda.FloatTensor" (DistributedOptimizer,
+        # Float16 optimizer) and a bare assertion in clip_grads.py: they check `tensor.type()`
+        # strings. Report the cuda type name for cpu tensors, and for a real shape's meta ones.
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args).replace("torch.meta.", "torch.", 1)  # a real shape's meta tensors too
+            name = func(*args).replace("torch.meta.", "torch.", 1)
             return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
         if "device" in kwargs and (_is_cuda(kwargs["device"]) or isinstance(kwargs["device"], int)):
             kwargs = {**kwargs, "device": _TARGET[0]}
         if func is torch.Tensor.cuda:
             return args[0]
-        # Symptom: "Wrapped parameters must be one of torch.cuda.FloatTensor" (DistributedOptimizer,
-        # Float16 optimizer) and a bare assertion in clip_grads.py: they check `tensor.type()`
-        # strings. Report the cuda type name for cpu tensors (added by the actor helper).
-        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
-            name = func(*args)
-            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
         if func is torch.Tensor.to and any(_is_cuda(a) for a in args[1:]):
             args = tuple(_TARGET[0] if _is_cuda(a) else a for a in args)
         return func(*args, **kwargs)

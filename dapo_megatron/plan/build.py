@@ -4,8 +4,9 @@ on the meta device, its state set against the plan's (plan/state.py) byte for by
     python -m dapo_megatron.plan --config-name qwen3_30b_a3b_megatron_npu --build
 
 One process plays every rank in turn: torch's fake process group gives the world size and the
-rank, Megatron's parallel state is initialised over it (train/parallel.fake_rank), and our own build_model, wrap_ddp and
-build_optimizer run with every tensor on the meta device (no memory, no device). A rank is
+rank, Megatron's parallel state is initialised over it (train/parallel.fake_rank), and our own
+build_model, wrap_ddp and build_optimizer run with every tensor on the meta device (no memory,
+no device). A rank is
 distinct by its (pipeline stage, TP rank, EP rank, expert-TP rank); its data-parallel copies
 hold the same parameters and grads. What is counted, from the built objects:
   params     DDP's param buffers (the parameters are views of them), else the parameters
@@ -19,13 +20,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from dapo_megatron.parallel import Coords
 from dapo_megatron.plan.state import ADAM_BYTES, STEP_BYTES, Layout, RankState, rank_state
 
 
 @dataclass(frozen=True)
 class RankBuild:
     rank: int
-    coords: dict[str, int]  # pp, tp, ep, etp, dp, edp ranks
+    coords: Coords
     built: RankState
     planned: RankState
     seconds: float
@@ -68,11 +70,11 @@ def build_ranks(cfg, spec, *, world: int | None = None, ranks=None, on_rank=None
 
     from dapo_megatron.config import role_devices
     from dapo_megatron.device import get_device
+    from dapo_megatron.dtypes import DTYPES
     from dapo_megatron.models import build_model
     from dapo_megatron.train.actor import recompute_overrides
     from dapo_megatron.train.optim import build_optimizer, wrap_ddp
     from dapo_megatron.train.parallel import fake_rank
-    from dapo_megatron.dtypes import DTYPES
     a, p = cfg.actor, cfg.actor.parallel
     world = world or role_devices(cfg)["actor"]
     device = get_device("cpu")  # the CPU backend's patches put Megatron's device tensors on meta
@@ -82,7 +84,6 @@ def build_ranks(cfg, spec, *, world: int | None = None, ranks=None, on_rank=None
     for rank in range(world) if ranks is None else ranks:
         start = time.perf_counter()
         with fake_rank(p, rank, world) as c:
-            coords = dict(pp=c.pp_rank, tp=c.tp_rank, ep=c.ep_rank, etp=c.etp_rank, dp=c.dp_rank, edp=c.edp_rank)
             key = (c.pp_rank, c.tp_rank, c.ep_rank, c.etp_rank)
             if key in seen:  # a data-parallel copy of a rank built already
                 continue
@@ -99,8 +100,8 @@ def build_ranks(cfg, spec, *, world: int | None = None, ranks=None, on_rank=None
                 optimizer = build_optimizer(model, a.optim, DTYPES[cfg.model.dtype].torch)
             built = RankState(*_state_of(model, optimizer))
         planned = rank_state(spec, layout, dtype=cfg.model.dtype, distributed_optimizer=a.optim.use_distributed_optimizer,
-                             stage=coords["pp"], dp_rank=coords["dp"], edp_rank=coords["edp"])
-        out.append(RankBuild(rank, coords, built, planned, time.perf_counter() - start))
+                             stage=c.pp_rank, dp_rank=c.dp_rank, edp_rank=c.edp_rank)
+        out.append(RankBuild(rank, c, built, planned, time.perf_counter() - start))
         if on_rank:
             on_rank(out[-1])
     return out
@@ -108,7 +109,8 @@ def build_ranks(cfg, spec, *, world: int | None = None, ranks=None, on_rank=None
 
 def render_row(b: RankBuild) -> str:
     c = b.coords
-    where = f"rank {b.rank:>3} (pp {c['pp']} tp {c['tp']} ep {c['ep']} etp {c['etp']} dp {c['dp']} edp {c['edp']})"
+    where = f"rank {b.rank:>3} (pp {c.pp_rank} tp {c.tp_rank} ep {c.ep_rank} etp {c.etp_rank} dp {c.dp_rank} " \
+            f"edp {c.edp_rank})"
     parts = []
     for name in ("params", "grads", "optimizer"):
         got, want = getattr(b.built, name), getattr(b.planned, name)
