@@ -77,13 +77,24 @@ def main(argv=None) -> int:
 
 
 def _build(cfg, spec) -> int:
+    from dapo_megatron.config import num_engines
     from dapo_megatron.plan.build import build_ranks, render_row
+    from dapo_megatron.plan.coverage import Coverage, MetaCheckpoint, tensor_list
     start = time.perf_counter()
-    builds = build_ranks(cfg, spec, on_rank=lambda b: print(render_row(b), flush=True))
+    listed = tensor_list(cfg.model.path)
+    coverage = listed and Coverage(MetaCheckpoint(listed), spec, cfg.rollout.sync.bucket_mb << 20)
+    builds = build_ranks(cfg, spec, on_rank=lambda b: print(render_row(b), flush=True), coverage=coverage)
     bad = [b.rank for b in builds if not b.equal]
     print(f"{len(builds)} distinct ranks built in {time.perf_counter() - start:.1f} s: "
           + (f"ranks {bad} differ from the plan" if bad else "every one equal to the plan"))
-    return 1 if bad else 0
+    if not coverage:
+        print(f"checkpoint and export: not checked, configs/hf/ lists no tensors of {cfg.model.path}")
+        return 1 if bad else 0
+    errors = coverage.check()
+    for line in errors[:20]:
+        print(f"error: {line}")
+    print(f"{len(errors)} errors" if errors else coverage.summary(num_engines(cfg)))
+    return 1 if bad or errors else 0
 
 
 if __name__ == "__main__":

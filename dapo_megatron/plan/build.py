@@ -62,10 +62,11 @@ def _state_of(model, optimizer) -> tuple[int, int, int]:
     return params, grads, _optimizer_bytes(optimizer)
 
 
-def build_ranks(cfg, spec, *, world: int | None = None, ranks=None, on_rank=None) -> list[RankBuild]:
+def build_ranks(cfg, spec, *, world: int | None = None, ranks=None, on_rank=None,
+                coverage=None) -> list[RankBuild]:
     """Every distinct rank of `cfg`'s actor over `world` devices (default: the actor's devices),
     or of the global `ranks` given, built and set against the plan. `on_rank(RankBuild)` hears
-    of each as it is done."""
+    of each as it is done; a `coverage.Coverage` given loads and exports each (plan/coverage.py)."""
     import torch
 
     from dapo_megatron.config import role_devices
@@ -75,6 +76,7 @@ def build_ranks(cfg, spec, *, world: int | None = None, ranks=None, on_rank=None
     from dapo_megatron.train.actor import recompute_overrides
     from dapo_megatron.train.optim import build_optimizer, wrap_ddp
     from dapo_megatron.train.parallel import fake_rank
+    from dapo_megatron.weights.sync import sender_roles
     a, p = cfg.actor, cfg.actor.parallel
     world = world or role_devices(cfg)["actor"]
     device = get_device("cpu")  # the CPU backend's patches put Megatron's device tensors on meta
@@ -84,6 +86,8 @@ def build_ranks(cfg, spec, *, world: int | None = None, ranks=None, on_rank=None
     for rank in range(world) if ranks is None else ranks:
         start = time.perf_counter()
         with fake_rank(p, rank, world) as c:
+            if coverage is not None:
+                coverage.roles(c, *sender_roles())
             key = (c.pp_rank, c.tp_rank, c.ep_rank, c.etp_rank)
             if key in seen:  # a data-parallel copy of a rank built already
                 continue
@@ -99,6 +103,8 @@ def build_ranks(cfg, spec, *, world: int | None = None, ranks=None, on_rank=None
                 # outside torch.device("meta"): the optimizer's set-up gathers Python objects on the host
                 optimizer = build_optimizer(model, a.optim, DTYPES[cfg.model.dtype].torch)
             built = RankState(*_state_of(model, optimizer))
+            if coverage is not None:
+                coverage.add(rank, c, model)
         planned = rank_state(spec, layout, dtype=cfg.model.dtype, distributed_optimizer=a.optim.use_distributed_optimizer,
                              stage=c.pp_rank, dp_rank=c.dp_rank, edp_rank=c.edp_rank)
         out.append(RankBuild(rank, c, built, planned, time.perf_counter() - start))

@@ -200,28 +200,34 @@ def check_hf_checkpoint(hf_dir: str, spec) -> None:
 
 
 def _load_local(model_chunks, hf_dir: str, progress: bool, adopt: bool) -> None:
-    from tqdm import tqdm
     ckpt = HFCheckpoint(hf_dir)
-    show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
     try:
-        spec = unwrap(model_chunks[0]).spec
-        check_names(ckpt, spec)
-        source = UnstackedExperts(ckpt, spec) if spec.arch.fused_experts else ckpt
-        for chunk in model_chunks:
-            geo = chunk_geometry(chunk)
-            maps = list(param_maps(chunk, geo))
-            for pm, param in tqdm(maps, desc="load", unit="param", disable=not show, file=console()):
-                tensor = _READERS[pm.kind](source, pm, param, geo)
-                if tensor.shape != param.shape:
-                    raise CheckpointError(f"{pm.mcore_name}: built {list(tensor.shape)} from "
-                                          f"{list(pm.hf_names.values())}, model has {list(param.shape)}")
-                if adopt and (tensor.dtype, tensor.device) == (param.dtype, param.device) and tensor.is_contiguous():
-                    param.data = tensor
-                else:
-                    with torch.no_grad():
-                        param.copy_(tensor)
+        load_from(ckpt, model_chunks, progress=progress, adopt=adopt)
     finally:
         ckpt.close()
+
+
+def load_from(ckpt, model_chunks, progress: bool = False, adopt: bool = False) -> None:
+    """This rank's chunks from `ckpt` (anything with HFCheckpoint's dir, keys, shape and read:
+    plan/coverage.py passes the shipped tensor list of a 30B model, read as meta tensors)."""
+    from tqdm import tqdm
+    show = progress and (not dist.is_initialized() or dist.get_rank() == 0)
+    spec = unwrap(model_chunks[0]).spec
+    check_names(ckpt, spec)
+    source = UnstackedExperts(ckpt, spec) if spec.arch.fused_experts else ckpt
+    for chunk in model_chunks:
+        geo = chunk_geometry(chunk)
+        maps = list(param_maps(chunk, geo))
+        for pm, param in tqdm(maps, desc="load", unit="param", disable=not show, file=console()):
+            tensor = _READERS[pm.kind](source, pm, param, geo)
+            if tensor.shape != param.shape:
+                raise CheckpointError(f"{pm.mcore_name}: built {list(tensor.shape)} from "
+                                      f"{list(pm.hf_names.values())}, model has {list(param.shape)}")
+            if adopt and (tensor.dtype, tensor.device) == (param.dtype, param.device) and tensor.is_contiguous():
+                param.data = tensor
+            else:
+                with torch.no_grad():
+                    param.copy_(tensor)
 
 
 def agree_on_errors(fn, *args) -> None:
