@@ -60,6 +60,11 @@ class OptimConfig:
     lr_scheduler: str = "constant"  # constant | cosine | linear
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = True
+    # Megatron's CPU optimizer (HybridDeviceOptimizer): the fp32 masters and Adam's moments of this
+    # fraction of the rank's shard live and step on the host all run long, the rest on the device
+    # (verl's override_optimizer_config.optimizer_cpu_offload / optimizer_offload_fraction).
+    cpu_offload: bool = False
+    cpu_offload_fraction: float = 1.0
 
 
 @dataclass

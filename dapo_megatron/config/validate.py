@@ -268,6 +268,7 @@ def _check_layouts(cfg: DapoConfig) -> None:
              f"rollout.gpu_memory_utilization must be in (0, 1], got {cfg.rollout.gpu_memory_utilization}")
     _check_mode(cfg)
     _check_offload(cfg)
+    _check_cpu_optimizer(cfg)
     dp = data_parallel_size(cfg.actor.parallel, devices["actor"])
     responses = cfg.actor.ppo_mini_batch_size * cfg.rollout.n
     _require(responses % dp == 0, "actor.ppo_mini_batch_size",
@@ -305,6 +306,27 @@ def _check_offload(cfg: DapoConfig) -> None:
     on = [f"actor.offload.{name}" for name, flag in vars(cfg.actor.offload).items() if flag]
     _require(not on, on[0] if on else "", f"{', '.join(on)} need trainer.placement=colocated: in split placement no "
              f"engine shares the actor's devices; set {'=false, '.join(on)}=false")
+
+
+def _check_cpu_optimizer(cfg: DapoConfig) -> None:
+    """The CPU optimizer keeps its share of the optimizer on the host the whole run; the state that
+    actor.offload.optimizer would move is then the rest, whose tensors Megatron's hybrid optimizer
+    shares with the parameters' buffer (precision-aware): one of the two, not both."""
+    o = cfg.actor.optim
+    _require(0 < o.cpu_offload_fraction <= 1, "actor.optim.cpu_offload_fraction",
+             f"actor.optim.cpu_offload_fraction must be in (0, 1], got {o.cpu_offload_fraction}")
+    if not o.cpu_offload:
+        return
+    _require(o.use_distributed_optimizer, "actor.optim.cpu_offload",
+             "actor.optim.cpu_offload=true needs actor.optim.use_distributed_optimizer=true (Megatron's "
+             "precision-aware optimizer, which puts the fp32 masters on the host, is distributed only)")
+    _require(cfg.model.dtype != "fp32", "actor.optim.cpu_offload",
+             "actor.optim.cpu_offload=true needs model.dtype=bf16 or fp16: Megatron's CPU optimizer steps "
+             "fp32 copies of 16-bit weights (on fp32 ones it fails: \"can't optimize a non-leaf Tensor\")")
+    _require(not cfg.actor.offload.optimizer, "actor.offload.optimizer",
+             "actor.offload.optimizer=true moves the optimizer to host memory while the engines generate; "
+             "actor.optim.cpu_offload=true keeps it there all the time: set actor.offload.optimizer=false "
+             "(or actor.optim.cpu_offload=false)")
 
 
 def check_model(cfg: DapoConfig, spec: ModelSpec) -> None:

@@ -31,6 +31,7 @@ _MEGATRON_PARALLEL = {
 }
 
 _OTC = _A + "megatron.override_transformer_config."
+_OOC = _A + "optim.override_optimizer_config."
 _OVERLONG = ("enable", "len", "penalty_factor", "log")
 
 # verl key -> our key, value unchanged.
@@ -48,6 +49,7 @@ RENAMES: dict[str, str] = {
     _A + "optim.lr_scheduler_type": "actor.optim.lr_scheduler",
     _A + "optim.lr_decay_style": "actor.optim.lr_scheduler",
     _A + "optim.use_distributed_optimizer": "actor.optim.use_distributed_optimizer",
+    _OOC + "optimizer_offload_fraction": "actor.optim.cpu_offload_fraction",
     **{_A + "megatron." + k: "actor.parallel." + v for k, v in _MEGATRON_PARALLEL.items()},
     **{_R + "megatron." + k: "ref.parallel." + v for k, v in _MEGATRON_PARALLEL.items()},
     _OTC + "context_parallel_size": "actor.parallel.cp",
@@ -106,6 +108,13 @@ def _logger(value: str) -> list[str]:
 
 def _set_bool(key: str) -> Callable[[str], list[str]]:
     return lambda value: [f"{key}={str(_is_true(value)).lower()}"]
+
+
+def _cpu_optimizer(value: str) -> list[str]:
+    # The CPU optimizer keeps the optimizer on the host all the time: nothing is left for
+    # actor.offload.optimizer to move (verl's recipes set both; here the pair is refused).
+    on = _is_true(value)
+    return [f"actor.optim.cpu_offload={str(on).lower()}"] + (["actor.offload.optimizer=false"] if on else [])
 
 
 def _filter_overlong(value: str) -> list[str]:
@@ -255,6 +264,7 @@ VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     "trainer.logger": _logger,
     **{_A + f"megatron.{k}_offload": _set_bool(f"actor.offload.{v}")
        for k, v in (("param", "params"), ("grad", "grads"), ("optimizer", "optimizer"))},
+    _OOC + "optimizer_cpu_offload": _cpu_optimizer,
     _RO + "free_cache_engine": _set_bool("rollout.free_cache_engine"),
     _R + "megatron.param_offload": _set_bool("ref.offload"),
     "data.filter_overlong_prompts": _filter_overlong,
@@ -353,9 +363,12 @@ IGNORED: list[tuple[re.Pattern, str]] = [(re.compile(rx), why) for rx, why in [
      r"moe_shared_expert_overlap|moe_router_dtype|deallocate_pipeline_outputs|use_flash_attn|recompute_modules)|"
      r"use_mbridge|vanilla_mbridge|use_dist_checkpointing|use_remove_padding|seed)$",
      "a Megatron kernel or loader choice that the model spec and the device layer make"),
+    (r"^actor_rollout_ref\.actor\.optim\.override_optimizer_config\.(overlap_cpu_optimizer_d2h_h2d|"
+     r"use_precision_aware_optimizer)$",
+     "actor.optim.cpu_offload=true runs Megatron's CPU optimizer precision-aware, its copies overlapped"),
     (r"^actor_rollout_ref\.actor\.optim\.override_optimizer_config\..*$",
-     "Megatron's CPU optimizer (Adam stepping on the host) is not wired; actor.offload.optimizer keeps the "
-     "optimizer state in host memory while the engines generate"),
+     "of Megatron's optimizer overrides only the CPU optimizer's are read here (optimizer_cpu_offload, "
+     "optimizer_offload_fraction: actor.optim.cpu_offload, actor.optim.cpu_offload_fraction)"),
     (r"^actor_rollout_ref\.rollout\.(enable_chunked_prefill|load_format|disable_log_stats|"
      r"max_model_len|swap_space|multi_stage_wake_up|layered_summon)$",
      "the engines' setting is derived: chunked prefill by rollout.max_num_batched_tokens, the context is "
@@ -482,7 +495,7 @@ def _added_key(item: str, outcome: Outcome) -> Outcome:
 
 
 _CROSS_KEYS = ("custom_reward_function.path", "custom_reward_function.name", "algorithm.use_kl_in_reward",
-               "algorithm.rollout_correction.rollout_is_threshold")
+               "algorithm.rollout_correction.rollout_is_threshold", _A + "megatron.optimizer_offload")
 
 
 def _cross_key(key: str, value: str, values: dict[str, str]) -> Outcome:
@@ -505,6 +518,11 @@ def _cross_key(key: str, value: str, values: dict[str, str]) -> Outcome:
                            tuple(_threshold(f"{_RC}is_threshold", v)) + ((f"{_RC}is_mode=mask",) if band else ()))
         return Outcome(key, value, "ignored", reason="no effect without algorithm.rollout_correction.rollout_is",
                        warn=True)
+    if key == _A + "megatron.optimizer_offload":
+        if _is_true(v) and _is_true(values.get(_OOC + "optimizer_cpu_offload", "false")):
+            return Outcome(key, value, "translated", ("actor.offload.optimizer=false",),
+                           reason="the CPU optimizer (optimizer_cpu_offload) keeps the optimizer on the host already")
+        return _resolve_one(key, value)
     if "custom_reward_function.path" not in values:
         return Outcome(key, value, "refused", reason="custom_reward_function.name needs custom_reward_function.path")
     if key == "custom_reward_function.name":

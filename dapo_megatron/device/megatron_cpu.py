@@ -50,7 +50,11 @@ class _CudaToCpuMode(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if "cuda" not in name else name
         if "device" in kwargs and (_is_cuda(kwargs["device"]) or isinstance(kwargs["device"], int)):
             kwargs = {**kwargs, "device": _TARGET[0]}
-        if func is torch.Tensor.cuda:
+        # Symptom: "Cannot access accelerator device when none is available" from the CPU
+        # optimizer's pinned host copies: with no device, host memory has nothing to pin for.
+        if kwargs.get("pin_memory"):
+            kwargs = {**kwargs, "pin_memory": False}
+        if func is torch.Tensor.cuda or func is torch.Tensor.pin_memory:
             return args[0]
         if func is torch.Tensor.to and any(_is_cuda(a) for a in args[1:]):
             args = tuple(_TARGET[0] if _is_cuda(a) else a for a in args)
@@ -117,6 +121,49 @@ def _patch_torch_cuda() -> None:
     torch.cuda.synchronize = lambda *a, **k: None
 
 
+class _HostStream:
+    """A CUDA stream's and event's calls, on a host where everything runs in order."""
+
+    def wait_stream(self, stream) -> None:
+        pass
+
+    def record_event(self, event=None) -> "_HostStream":
+        return self
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream=None) -> None:
+        pass
+
+
+def _patch_cpu_optimizer() -> None:
+    """Megatron's CPU optimizer (actor.optim.cpu_offload) on a rank whose device is the host."""
+    from megatron.core.optimizer import optimizer_config
+    from megatron.core.optimizer.cpu_offloading.hybrid_optimizer import HybridDeviceOptimizer
+    # Symptom: TypeError "'>=' not supported between NoneType and Version" from
+    # is_te_min_version when the precision-aware optimizer is configured: TE is not installed.
+    optimizer_config.is_te_min_version = lambda *a, **k: False
+    # Symptom: "Torch not compiled with CUDA enabled": it copies on side streams and waits for them.
+    torch.cuda.current_stream = lambda *a, **k: _HostStream()
+    torch.cuda.Stream = _HostStream
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()
+    # Symptom: KeyError in _set_sub_optimizer_grads: it offloads only `param.is_cuda` parameters
+    # and takes the rest as host ones without a device twin. Here the host is the device: each
+    # parameter's host fp32 copy is its offloaded copy, as a CUDA rank's offload_fraction=1 pairs them.
+    split = HybridDeviceOptimizer._get_sub_optimizer_param_groups
+
+    def host_is_device(self, offload_fraction):
+        cpu_groups, gpu_groups, to_copy, to_param, to_fp32 = split(self, offload_fraction)
+        if not gpu_groups and not to_copy:
+            for group in self.param_groups:
+                for param in group["params"]:
+                    copy = to_fp32.get(param, param)
+                    to_copy[param], to_param[copy] = copy, param
+        return cpu_groups, gpu_groups, to_copy, to_param, to_fp32
+    HybridDeviceOptimizer._get_sub_optimizer_param_groups = host_is_device
+
+
 def _patch_rng() -> None:
     from megatron.core.tensor_parallel import random as mrandom
     mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
@@ -180,6 +227,7 @@ def install() -> None:
         import_without_compile()
         _patch_torch_cuda()
         _patch_rng()
+        _patch_cpu_optimizer()
         megatron_local_spec.install()
         _INSTALLED = True
     if not getattr(_THREAD, "mode", None):

@@ -53,6 +53,9 @@ KEYS = {
     "runtime": "trainer.device_memory_gb",
     "checkpoint load": "trainer.nnodes",  # the optimizer's shard, read once more
 }
+# Host bytes of Megatron's CPU optimizer per byte of the optimizer state it takes (a 16-bit shard's
+# fp32 master 4 + Adam's moments 8 = 12 B per parameter): + its 16-bit host copy 2 and fp32 grad 4.
+HOST_PER_OPTIMIZER_BYTE = 18 / 12
 GENERATE_KEYS = {"params": "actor.offload.params", "grads": "actor.offload.grads",
                  "optimizer": "actor.offload.optimizer"}
 
@@ -156,7 +159,10 @@ def make_plan(cfg, spec, memory: float | None, *, flash: bool = True) -> Plan:
     colocated = cfg.trainer.placement == "colocated"
     sleeps = colocated and r.free_cache_engine
     runtime = RUNTIME_BYTES * (2 if colocated else 1)
-    actor = {"params": state.params, "grads": state.grads, "optimizer": state.optimizer}
+    # Megatron's CPU optimizer keeps its share of the optimizer (masters, moments, steps) on the
+    # host the whole run, where it also reads a resume's state (rounded to whole parameters).
+    on_host = a.optim.cpu_offload_fraction if a.optim.cpu_offload else 0.0
+    actor = {"params": state.params, "grads": state.grads, "optimizer": state.optimizer * (1 - on_host)}
     kept = {k: v for k, v in actor.items() if not (colocated and getattr(a.offload, k))}
     resident_ref = {"ref params": ref} if ref and not cfg.ref.offload else {}
     awake = {"engine share": share} if colocated and not sleeps else {}
@@ -170,7 +176,7 @@ def make_plan(cfg, spec, memory: float | None, *, flash: bool = True) -> Plan:
     built = {**actor, **({"ref params": ref} if ref else {}), **awake, "runtime": runtime}
     grads_out = colocated and a.offload.grads
     resumed = {**{k: v for k, v in actor.items() if not (k == "grads" and grads_out)},
-               "checkpoint load": state.optimizer, **resident_ref, **awake, "runtime": runtime}
+               "checkpoint load": actor["optimizer"], **resident_ref, **awake, "runtime": runtime}
     moments = [Phase("start-up", built), Phase("resume", resumed)]
     if cfg.trainer.max_restarts:
         moments.append(Phase("restart", dict(built)))
@@ -189,6 +195,12 @@ def make_plan(cfg, spec, memory: float | None, *, flash: bool = True) -> Plan:
     else:
         notes.append(f"engine devices ({devices['rollout']}): the engine's share "
                      f"{share / GiB:.1f} GiB + runtime of {RUNTIME_BYTES / GiB:.1f} GiB each")
+    if on_host:
+        host = state.optimizer * on_host * HOST_PER_OPTIMIZER_BYTE
+        notes.append(f"the CPU optimizer holds {host / GiB:.1f} GiB per actor rank in host memory "
+                     f"({host * min(devices['actor'], cfg.trainer.n_gpus_per_node) / GiB:.0f} GiB per node): "
+                     f"{on_host:.0%} of its fp32 masters and Adam's moments, with a 16-bit copy and an fp32 "
+                     "gradient of each parameter it steps")
     if spec.vision_config:
         notes.append("the vision tower's parameters are counted; its activations are not (images are few "
                      "hundred tokens beside thousands of text tokens)")

@@ -17,6 +17,7 @@ hold the same parameters and grads. What is counted, from the built objects:
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -100,8 +101,11 @@ def build_ranks(cfg, spec, *, world: int | None = None, ranks=None, on_rank=None
                                          device=device, perform_initialization=False,
                                          **recompute_overrides(a.recompute_granularity))
                     model = wrap_ddp(chunks, use_distributed_optimizer=a.optim.use_distributed_optimizer)
-                # outside torch.device("meta"): the optimizer's set-up gathers Python objects on the host
-                optimizer = build_optimizer(model, a.optim, DTYPES[cfg.model.dtype].torch)
+                # outside torch.device("meta"): the optimizer's set-up gathers Python objects on the host.
+                # The whole optimizer state, wherever it lives: with actor.optim.cpu_offload the plan
+                # puts its share on the host, and the hybrid optimizer cannot step meta tensors.
+                optim = dataclasses.replace(a.optim, cpu_offload=False)
+                optimizer = build_optimizer(model, optim, DTYPES[cfg.model.dtype].torch)
             built = RankState(*_state_of(model, optimizer))
             if coverage is not None:
                 coverage.add(rank, c, model)

@@ -106,11 +106,16 @@ def _init_optimizer_state(optimizer) -> None:
     an optimizer that has not stepped yet (a load template, a save right after a weights-only
     load)."""
     for opt in _torch_optimizers(optimizer):
+        # Megatron's CPU optimizer (actor.optim.cpu_offload) steps fp32 copies of the 16-bit
+        # shards and keeps each copy in the state as `master_param`.
+        masters = getattr(opt, "param_to_fp32_param", {})
         for group in opt.param_groups:
             for p in group["params"]:
                 if len(opt.state[p]) == 0:
-                    opt.state[p].update(exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p),
-                                        step=torch.zeros((), dtype=torch.float32))
+                    main = masters.get(p, p)
+                    opt.state[p].update(exp_avg=torch.zeros_like(main), exp_avg_sq=torch.zeros_like(main),
+                                        step=torch.zeros((), dtype=torch.float32),
+                                        **({"master_param": main} if p in masters else {}))
 
 
 def _unshare_steps(optimizer) -> None:
@@ -262,6 +267,13 @@ def _check_optimizer_layout(saved: dict, now: dict, path: str) -> None:
             "(Adam moments restart from zero), or resume with the saved layout.")
 
 
+def _optimizer_classes() -> list:
+    """Megatron's CPU optimizer keeps its inner optimizers' classes in its param groups, which go
+    into the common state dict: torch.load (weights only) refuses those unless allowed by name."""
+    from megatron.core import optimizer as mopt
+    return list({torch.optim.AdamW, torch.optim.SGD, mopt.Adam, mopt.SGD})
+
+
 def load_checkpoint(actor, path: str, *, load_optimizer: bool = True) -> dict:
     """Load `path` into the actor (resharding the weights to this layout); returns the trainer
     state saved with it. With `load_optimizer=False` the optimizer keeps its fresh state."""
@@ -270,11 +282,12 @@ def load_checkpoint(actor, path: str, *, load_optimizer: bool = True) -> dict:
         check(path)
     except CheckpointError as e:
         raise CheckpointError(f"{e}. Resume from an earlier step_<N> folder with trainer.resume_mode=<its path>") from None
-    common = dist_checkpointing.load_common_state_dict(path)
-    if load_optimizer:
-        _check_optimizer_layout(common["layout"], _layout(actor), path)
-    template = _sharded_state_dict(actor, is_loading=True, with_optimizer=load_optimizer)
-    state = dist_checkpointing.load(template, path)
+    with torch.serialization.safe_globals(_optimizer_classes()):
+        common = dist_checkpointing.load_common_state_dict(path)
+        if load_optimizer:
+            _check_optimizer_layout(common["layout"], _layout(actor), path)
+        template = _sharded_state_dict(actor, is_loading=True, with_optimizer=load_optimizer)
+        state = dist_checkpointing.load(template, path)
     _load_model(actor.chunks, state)
     if load_optimizer:
         _load_optimizer(actor.optimizer, state["optimizer"])

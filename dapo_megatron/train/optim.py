@@ -38,17 +38,28 @@ def wrap_ddp(chunks: list, *, use_distributed_optimizer: bool) -> list:
     return wrapped
 
 
-def build_optimizer(chunks: list, cfg: OptimConfig, dtype: torch.dtype):
-    """Megatron's optimizer (Adam, decoupled weight decay; distributed when configured)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+def optimizer_config(cfg: OptimConfig, dtype: torch.dtype):
+    """Megatron's OptimizerConfig of `actor.optim`: Adam with decoupled weight decay.
+
+    actor.optim.cpu_offload turns on Megatron's CPU optimizer as slime and verl's recipes run it:
+    precision-aware, so the fp32 masters of the offloaded share are made on the host by the hybrid
+    optimizer instead of on the device by the distributed one; copies overlapped on side streams."""
+    from megatron.core.optimizer import OptimizerConfig
     if len(cfg.betas) != 2:
         raise ValueError(f"actor.optim.betas must have 2 values, got {cfg.betas}")
-    opt_config = OptimizerConfig(
+    cpu = dict(optimizer_cpu_offload=True, optimizer_offload_fraction=cfg.cpu_offload_fraction,
+               use_precision_aware_optimizer=True, overlap_cpu_optimizer_d2h_h2d=True) if cfg.cpu_offload else {}
+    return OptimizerConfig(
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
         adam_beta1=cfg.betas[0], adam_beta2=cfg.betas[1], clip_grad=cfg.clip_grad,
         use_distributed_optimizer=cfg.use_distributed_optimizer, params_dtype=dtype,
-        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
-    optimizer = get_megatron_optimizer(opt_config, chunks)
+        bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16, **cpu)
+
+
+def build_optimizer(chunks: list, cfg: OptimConfig, dtype: torch.dtype):
+    """Megatron's optimizer (Adam, decoupled weight decay; distributed when configured)."""
+    from megatron.core.optimizer import get_megatron_optimizer
+    optimizer = get_megatron_optimizer(optimizer_config(cfg, dtype), chunks)
     config = chunks[0].config
     config.grad_scale_func = getattr(optimizer, "scale_loss", None) if dtype == torch.float16 else None
     return optimizer

@@ -295,11 +295,12 @@ def _start_from(hf_dir: str, parallel: dict, path: str, hf_actor) -> dict:
     return out
 
 
-def offload_job(hf_dir: str, parallel: dict, dtype: str) -> bytes:
+def offload_job(hf_dir: str, parallel: dict, dtype: str, root: str) -> bytes:
     """Two identical actors take the same two steps; between them one offloads its params, grads
     and optimizer state to host memory and loads them back. Returns both actors' weights, optimizer
     state and step-2 metrics, what the offloaded storages held while offloaded, the error of an
-    update attempted while offloaded, and the log-probs of an offloading and a resident reference."""
+    update attempted while offloaded, and the log-probs of an offloading and a resident reference.
+    Then Megatron's CPU optimizer (actor.optim.cpu_offload): `cpu_optimizer_steps`."""
     from dapo_megatron.train.actor import Actor
     from dapo_megatron.train.offload import GROUPS, optimizer_tensors
     from dapo_megatron.train.parallel import init_parallel
@@ -326,4 +327,33 @@ def offload_job(hf_dir: str, parallel: dict, dtype: str) -> bytes:
     out["ref_held"] = [s.nbytes() for s in refs[1].offloader.held("params")]
     out["ref_logprobs"] = [everywhere(r.compute_logprobs(batch))["logprobs"] for r in refs]
     out["ref_held_after"] = [s.nbytes() for s in refs[1].offloader.held("params")]
+    out["cpu_optimizer"] = cpu_optimizer_steps(hf_dir, parallel, dtype, root, config)
     return pack(out)
+
+
+def cpu_optimizer_steps(hf_dir: str, parallel: dict, dtype: str, root: str, config: dict) -> dict:
+    """An actor on Megatron's CPU optimizer takes step 1, is saved, takes step 2; a fresh one
+    loads the save and takes step 2. Returns both step-2 weights, the moments saved and loaded,
+    the distributed optimizer's master slots and the hybrid optimizer's inner optimizers."""
+    from dapo_megatron.train import checkpoint as ckpt
+    from dapo_megatron.train.actor import Actor
+
+    def make():
+        return Actor(actor_config(parallel, **dict(config, optim=dict(config["optim"], cpu_offload=True))), hf_dir,
+                     n=2, dtype=dtype)
+
+    def moments(actor):
+        return [s[k].clone() for o in actor.optimizer.chained_optimizers for s in o.optimizer.state.values()
+                for k in ("exp_avg", "exp_avg_sq")]
+    saved, loaded = make(), make()
+    out = {"metrics": [_train_step(saved, 1)]}
+    ckpt.save_checkpoint(saved, root, 1, {"step": 1}, keep=1)
+    ckpt.load_checkpoint(loaded, os.path.join(root, "step_1"))
+    out["moments"] = [moments(a) for a in (saved, loaded)]
+    out["metrics"] += [_train_step(a, 2) for a in (saved, loaded)]
+    out["weights"] = [export_weights(a.chunks) for a in (saved, loaded)]
+    inner = [o.optimizer for o in saved.optimizer.chained_optimizers]
+    out["inner"] = [(type(o).__name__, len(o.cpu_optimizers), o.gpu_optimizer is None) for o in inner]
+    out["device_masters"] = [m for o in saved.optimizer.chained_optimizers
+                             for g in o.shard_fp32_from_float16_groups for m in g]
+    return out

@@ -1,5 +1,6 @@
 """actor.offload / ref.offload: state to host memory and back changes nothing, bit for bit, and
-really releases the device storages while offloaded (train/offload.py).
+really releases the device storages while offloaded (train/offload.py). Megatron's CPU optimizer
+(actor.optim.cpu_offload): the same update, and a checkpoint round trip that resumes it exactly.
 
 One spawn at TP1 x PP2 x EP2 (4 ranks, bf16, distributed optimizer: the fp32 master shards and
 Adam's moments are the optimizer state that moves); every check below reads its result.
@@ -17,9 +18,10 @@ LAYOUT = dict(pp=2, ep=2)
 
 
 @pytest.fixture(scope="module")
-def ranks(tiny_hf_models):
+def ranks(tiny_hf_models, tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("cpu_optimizer"))
     return [actor_jobs.unpack(b) for b in run_workers(actor_jobs.offload_job, 4, tiny_hf_models["moe"], LAYOUT,
-                                                      "bf16", timeout_s=300)]
+                                                      "bf16", root, timeout_s=300)]
 
 
 def test_offloaded_storages_are_released(ranks):
@@ -66,3 +68,24 @@ def test_reference_offload_gives_the_same_logprobs(ranks):
     for res in ranks:
         resident, offloaded = res["ref_logprobs"]
         assert torch.equal(resident, offloaded)
+
+
+def test_cpu_optimizer_takes_the_same_step_and_resumes_exactly(ranks):
+    """On a CPU rank the host is the device: the hybrid optimizer steps the whole shard in its
+    host optimizers (the fraction and the drop in device memory are the GPU script's check).
+    Its update equals the distributed optimizer's, bit for bit; the distributed optimizer keeps no
+    fp32 master of its own; a save after step 1 loads the moments and gives the same step 2."""
+    for rank, res in enumerate(ranks):
+        cpu = res["cpu_optimizer"]
+        assert all(name == "HybridDeviceOptimizer" and n > 0 and host_only for name, n, host_only in cpu["inner"])
+        assert cpu["device_masters"] and all(m is None for m in cpu["device_masters"])  # masters: the hybrid's
+        want = res["metrics"][0][0]  # the device optimizer's step 1
+        assert all(cpu["metrics"][0][k] == want[k] for k in want if k != "actor/tokens_per_s")
+        saved, loaded = cpu["moments"]
+        assert len(saved) == len(loaded) and any(t.abs().sum() > 0 for t in saved)
+        for a, b in zip(saved, loaded):
+            assert torch.equal(a, b), f"rank {rank}: moments after the load"
+        (after_saved, after_loaded), kept = cpu["weights"], res["weights"][0]
+        for name in after_saved:
+            assert torch.equal(after_saved[name], after_loaded[name]), f"rank {rank}: {name}"
+            assert torch.equal(after_saved[name], kept[name]), f"rank {rank}: {name} differs from the device optimizer's"

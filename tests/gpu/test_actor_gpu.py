@@ -69,3 +69,36 @@ def test_actor_logprobs_match_hf_and_update_on_gpu(setup):
     assert 0 < moved < 1e-2  # Adam's first step moves a weight by ~lr = 1e-4
     after = actor_jobs.everywhere(actor.compute_logprobs(batch))["logprobs"]
     assert ((after - got["logprobs"]).abs() * mask).max() > 0
+
+
+def test_cpu_optimizer_takes_the_same_step_and_frees_the_optimizer_on_the_device(setup):
+    """Megatron's CPU optimizer (actor.optim.cpu_offload) on a real GPU, bf16, world size 1: the
+    step equals the device optimizer's (its host AdamW against the device Adam, within a bf16
+    rounding), and the device holds the plan's optimizer term less: all of it at fraction 1,
+    about half at 0.5 (Megatron offloads whole parameters)."""
+    from dapo_megatron.models.spec import ModelSpec
+    from dapo_megatron.plan.state import Layout, rank_state
+    from dapo_megatron.train.actor import Actor
+    hf_dir, _ = setup
+    planned = rank_state(ModelSpec.from_pretrained(hf_dir), Layout(world=1), dtype="bf16",
+                         distributed_optimizer=True, stage=0, dp_rank=0, edp_rank=0).optimizer
+    batch = actor_jobs.make_batch(n_samples=8, vocab=VOCAB, seed=5)
+    held, weights = {}, {}
+    for name, optim in (("device", {}), ("host", dict(cpu_offload=True)),
+                        ("half", dict(cpu_offload=True, cpu_offload_fraction=0.5))):
+        torch.cuda.synchronize()
+        start = torch.cuda.memory_allocated()
+        actor = Actor(actor_jobs.actor_config({}, optim=dict(use_distributed_optimizer=True, **optim),
+                                              max_tokens_per_microbatch=64), hf_dir, n=2, dtype="bf16")
+        batch.old_logprobs = actor_jobs.perturbed_old(actor_jobs.everywhere(actor.compute_logprobs(batch))["logprobs"])
+        batch.ref_logprobs = batch.old_logprobs - 0.05
+        actor.update(batch)
+        torch.cuda.synchronize()
+        held[name] = torch.cuda.memory_allocated() - start
+        weights[name] = [p.detach().float().cpu() for p in actor.model[0].parameters()]
+        del actor
+    print({k: f"{v / 2**20:.1f} MiB" for k, v in held.items()}, f"plan's optimizer term {planned / 2**20:.1f} MiB")
+    for a, b in zip(weights["device"], weights["host"]):
+        assert torch.allclose(a, b, rtol=2 ** -7, atol=1e-6)  # one bf16 rounding apart at most
+    assert held["device"] - held["host"] == pytest.approx(planned, rel=0.05)
+    assert held["device"] - held["half"] == pytest.approx(planned / 2, rel=0.25)

@@ -237,6 +237,14 @@ RULES = [
     (["trainer.n_gpus_per_node=3", "trainer.placement=split", "rollout.num_devices=1", "actor.offload.params=false"],
      "actor.offload.grads"),
     (["rollout.sleep_level=3"], "rollout.sleep_level"),
+    # Megatron's CPU optimizer: 16-bit weights, the distributed optimizer, and not with the offload
+    # that would move what it keeps on the host already (the quickstart offloads the optimizer)
+    (["actor.optim.cpu_offload=true", "model.dtype=bf16", "actor.optim.use_distributed_optimizer=true"],
+     "actor.offload.optimizer"),
+    (["actor.optim.cpu_offload=true", "actor.offload.optimizer=false", "actor.optim.use_distributed_optimizer=true"],
+     "actor.optim.cpu_offload"),  # fp32 weights
+    (["actor.optim.cpu_offload=true", "actor.offload.optimizer=false", "model.dtype=bf16"], "actor.optim.cpu_offload"),
+    (["actor.optim.cpu_offload_fraction=1.5"], "actor.optim.cpu_offload_fraction"),
     (["trainer.n_gpus_per_node=4", "actor.parallel.ep=1", "actor.parallel.tp=1", "rollout.n=3",
       "actor.ppo_mini_batch_size=2", "data.train_batch_size=2", "data.gen_batch_size=2"], "actor.ppo_mini_batch_size"),
 ]

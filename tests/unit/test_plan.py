@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from dapo_megatron.config import ConfigError, available_configs, load_config
-from dapo_megatron.plan import GiB, check, make_plan
+from dapo_megatron.plan import GiB, check, make_plan, render
 from dapo_megatron.plan.__main__ import SHIPPED_SHAPES, main, model_spec
 
 QWEN3_30B = str(SHIPPED_SHAPES / "Qwen3-30B-A3B-Base.json")
@@ -69,18 +69,29 @@ def test_the_boundary_is_the_device_memory():
     check(under)
 
 
-def test_peer_layouts_are_over_only_by_the_optimizer_on_the_device_while_training():
+def test_peer_layouts_fit_with_the_cpu_optimizer():
     """slime's TP4 x EP8 and verl's GSPO TP2 x EP8 on 8 x 80 GB keep Adam in host memory for the
-    whole update (Megatron's CPU optimizer); our actor.offload.optimizer moves it out only while
-    the engines generate, so the plan puts both over, and by less than the optimizer term."""
-    for tp, rollout_tp in ((4, 4), (2, 2)):
-        plan = plan_of("qwen3_30b_a3b_megatron_gpu", layout(tp, 8, f"rollout.parallel.tp={rollout_tp}",
-                                                            f"rollout.parallel.ep={rollout_tp}"), 80)
+    whole update (Megatron's CPU optimizer). With actor.offload.optimizer alone, which moves it out
+    only while the engines generate, the plan puts both over, by less than the optimizer term; with
+    actor.optim.cpu_offload they fit, the device keeping 1 - cpu_offload_fraction of the optimizer."""
+    cpu = ["actor.optim.cpu_offload=true", "actor.offload.optimizer=false"]
+    for tp in (4, 2):
+        engines = [f"rollout.parallel.tp={tp}", f"rollout.parallel.ep={tp}"]
+        plan = plan_of("qwen3_30b_a3b_megatron_gpu", layout(tp, 8, *engines), 80)
         update = next(p for p in plan.phases if p.name == "update")
         assert not plan.fits and update.total > 80 * GiB  # (their resume, reading Adam once more, too)
         assert update.total - update.terms["optimizer"] < 80 * GiB
         generate = next(p for p in plan.phases if p.name == "generate")
         assert "optimizer" not in generate.terms and "params" not in generate.terms  # offloaded
+        host = plan_of("qwen3_30b_a3b_megatron_gpu", layout(tp, 8, *engines, *cpu), 80)
+        half = plan_of("qwen3_30b_a3b_megatron_gpu", layout(tp, 8, *engines, *cpu, "actor.optim.cpu_offload_fraction=0.5"), 80)
+        assert host.fits, render(host)
+        by, by_half = ({p.name: p for p in x.phases} for x in (host, half))
+        assert by["update"].terms["optimizer"] == 0 and by["resume"].terms["checkpoint load"] == 0
+        assert by_half["update"].terms["optimizer"] == pytest.approx(update.terms["optimizer"] / 2)
+        assert by["update"].total == pytest.approx(update.total - update.terms["optimizer"])
+        note = next(n for n in host.notes if "CPU optimizer" in n)
+        assert f"{update.terms['optimizer'] * 1.5 / GiB:.1f} GiB per actor rank in host memory" in note
 
 
 def test_a_runs_first_moments_are_planned_in_the_order_the_code_follows():

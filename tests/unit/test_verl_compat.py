@@ -179,7 +179,7 @@ IGNORED = ["actor_rollout_ref.actor.fsdp_config.param_offload=True", "+actor_rol
            "actor_rollout_ref.actor.megatron.use_dist_checkpointing=True",
            "+actor_rollout_ref.actor.megatron.override_transformer_config.apply_rope_fusion=True",
            "actor_rollout_ref.actor.megatron.vanilla_mbridge=False",
-           "+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True",
+           "+actor_rollout_ref.actor.optim.override_optimizer_config.use_torch_optimizer_for_cpu_offload=True",
            "actor_rollout_ref.rollout.max_model_len=22528", "++transfer_queue.controller.polling_mode=True",
            "+data.min_response_length=4096", "trainer.log_val_generations=10", "data.val_batch_size=64",
            "algorithm.rollout_correction.rollout_is_threshold=2.0",  # no effect without rollout_is
@@ -193,6 +193,25 @@ def test_ignored_with_one_warning(item):
         cfg = load_config("quickstart", [item])
     assert len([w for w in record if "ignored" in str(w.message)]) == 1
     assert cfg == _cfg()
+
+
+def test_cpu_optimizer_keys_of_verl_recipes_translate():
+    """verl's recipes (GSPO 30B, fully async) set the CPU optimizer beside megatron.optimizer_offload;
+    here the CPU optimizer subsumes the offload, and its other switches are what it always runs with."""
+    recipe = ["model.dtype=bf16", "actor.optim.use_distributed_optimizer=true",
+              "actor_rollout_ref.actor.megatron.optimizer_offload=True",
+              "+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_offload_fraction=0.5",
+              "+actor_rollout_ref.actor.optim.override_optimizer_config.overlap_cpu_optimizer_d2h_h2d=True",
+              "+actor_rollout_ref.actor.optim.override_optimizer_config.use_precision_aware_optimizer=True",
+              "+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=True"]
+    outcomes = {o.key.rsplit(".", 1)[-1]: o for o in resolve(recipe)}
+    assert outcomes["optimizer_offload"].ours == ("actor.offload.optimizer=false",)
+    assert outcomes["overlap_cpu_optimizer_d2h_h2d"].action == "ignored"
+    cfg = _cfg(*recipe)
+    assert (cfg.actor.optim.cpu_offload, cfg.actor.optim.cpu_offload_fraction, cfg.actor.offload.optimizer) == (True, 0.5, False)
+    assert not _cfg(*recipe[:3], "+actor_rollout_ref.actor.optim.override_optimizer_config.optimizer_cpu_offload=False"
+                    ).actor.optim.cpu_offload
+    assert _cfg(*recipe[:3]).actor.offload.optimizer  # without the CPU optimizer the offload stays
 
 
 def test_context_parallel_translates_and_is_refused_until_built():
