@@ -61,7 +61,7 @@ class OptimConfig:
     clip_grad: float = 1.0
     use_distributed_optimizer: bool = True
     # Megatron's CPU optimizer (HybridDeviceOptimizer): the fp32 masters and Adam's moments of this
-    # fraction of the rank's shard live and step on the host all run long, the rest on the device
+    # fraction of the rank's shard live and step on the host for the whole run, the rest on the device
     # (verl's override_optimizer_config.optimizer_cpu_offload / optimizer_offload_fraction).
     cpu_offload: bool = False
     cpu_offload_fraction: float = 1.0
@@ -150,7 +150,7 @@ class MultiTurnConfig:
     """Multi-turn rollout with tool calls: a turn that calls tools continues after their messages."""
     enable: bool = False
     max_turns: int = 4  # model turns per response (a turn that still calls tools at the limit ends it)
-    format: str = "hermes"  # tool-call format of the chat template (toolcall.parse.FORMATS)
+    format: str = "hermes"  # tool-call format of the chat template (toolcall_formats.FORMATS)
     tool_timeout_s: float = 10.0  # wall clock per call; the interpreter's CPU limit too
     tool_pool: int = 8  # tool calls running at once per engine
     max_tool_output_chars: int = 4000  # the interpreter's output is cut there

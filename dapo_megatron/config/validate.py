@@ -16,7 +16,7 @@ from dapo_megatron.config.schema import DapoConfig, ParallelConfig, RewardConfig
 from dapo_megatron.device import get_device
 from dapo_megatron.dtypes import DTYPES
 from dapo_megatron.models.spec import ModelSpec
-from dapo_megatron.toolcall.parse import FORMATS
+from dapo_megatron.toolcall_formats import FORMATS
 from dapo_megatron.dataplane import BACKENDS
 from dapo_megatron.weights.transport import TRANSPORTS
 

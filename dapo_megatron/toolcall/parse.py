@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from dapo_megatron.toolcall_formats import FORMATS
+
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -27,17 +29,6 @@ class Parsed:
     calls: list[ToolCall] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # one line per malformed block, for the model
     cut: bool = False  # a block opened and never closed: the response was cut inside a call
-
-
-@dataclass(frozen=True)
-class Format:
-    open: str
-    close: str
-
-
-FORMATS: dict[str, Format] = {
-    "hermes": Format("<tool_call>", "</tool_call>"),  # Qwen2.5, Qwen3, Hermes chat templates
-}
 
 
 def _decode(body: str, n: int) -> ToolCall | str:

@@ -17,6 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("dapo_megatron", "checkpoint_tools")
 BELOW_TRAIN = ("dapo_megatron.weights", "dapo_megatron.models")  # must never import train/
 TRAIN = "dapo_megatron.train"
+# The config is read by every role: it imports none of the roles' packages, not even inside a
+# function (a rule that needs one of their names takes it from a leaf, e.g. toolcall_formats).
+CONFIG = "dapo_megatron.config"
+ROLES = tuple(f"dapo_megatron.{p}" for p in ("driver", "rollout", "train", "toolcall", "reward", "tools"))
 # Megatron's parallel state: read by train/ (init, teardown, forkserver preload) and the layout
 # interface only; everyone else goes through dapo_megatron.parallel.
 PARALLEL_STATE = "megatron.core.parallel_state"
@@ -85,9 +89,11 @@ def _under(module: str, prefixes) -> bool:
 
 
 def upward_edges(edges: list[Edge]) -> list[Edge]:
-    """weights/ or models/ -> train/ (at any level), and parallel_state outside its readers."""
+    """weights/ or models/ -> train/ and config/ -> a role's package (at any level), and
+    parallel_state outside its readers."""
     return [e for e in edges
             if (_under(e.src, BELOW_TRAIN) and _under(e.dst, (TRAIN,)))
+            or (_under(e.src, (CONFIG,)) and _under(e.dst, ROLES))
             or (_under(e.dst, (PARALLEL_STATE,)) and not _under(e.src, PARALLEL_STATE_READERS))]
 
 
