@@ -41,7 +41,7 @@ def main() -> None:
     import ray
 
     from dapo_megatron.config import load_config
-    from dapo_megatron.driver.loop import run
+    from dapo_megatron.driver.supervisor import run
     rows = []
     cases = [(int(b), mode, int(length)) for b in args.batch_sizes.split(",") for mode in args.router_replay.split(",")
              for length in args.response_lengths.split(",")]

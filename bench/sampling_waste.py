@@ -24,7 +24,7 @@ def run_mode(mode: str, steps: int, out: Path, extra: list[str]) -> list[dict]:
     import ray
 
     from dapo_megatron.config import load_config
-    from dapo_megatron.driver.loop import run
+    from dapo_megatron.driver.supervisor import run
     cfg = load_config("quickstart", [f"algorithm.filter_groups.mode={mode}", f"trainer.total_training_steps={steps}",
                                      f"trainer.default_local_dir={out}", "trainer.val_before_train=false",
                                      "trainer.test_freq=-1", "trainer.save_freq=-1", "trainer.logger=[jsonl]", *extra])

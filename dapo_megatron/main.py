@@ -80,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               file=sys.stderr)
         return EXIT_BAD_INPUT
     from dapo_megatron.data.dataset import DataError
-    from dapo_megatron.driver.loop import run
+    from dapo_megatron.driver.supervisor import run
     from dapo_megatron.roles import RoleDied
     from dapo_megatron.weights.hf_io import CheckpointError
     try:

@@ -1,6 +1,7 @@
 """The trainer loop: take a batch -> log-probs -> advantages -> update -> sync -> log / save.
 
-`run(cfg)` is what `python -m dapo_megatron.main` calls. The rollout manager (rollout/manager.py)
+`train(run)` takes the steps of one attempt of the run (driver/supervisor.py starts its roles and
+restarts it). The rollout manager (rollout/manager.py)
 produces each batch (generation, reward, dynamic sampling); the driver holds the config, counters
 and each step's metadata (keys, lengths, scores, advantages: `StepBatch`) and passes handles: the
 tokens go from the engines into the data plane, and the training ranks read their share there.
@@ -8,15 +9,11 @@ tokens go from the engines into the data plane, and the training ranks read thei
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import os
-import signal
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-import ray
 import torch
 
 from dapo_megatron import roles
@@ -24,10 +21,8 @@ from dapo_megatron.algo import compute_grpo_advantages
 from dapo_megatron.config import DapoConfig
 from dapo_megatron.driver import faults, setup
 from dapo_megatron.driver.colocate import TimeShare
-from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, write_event
-from dapo_megatron.driver.recovery import (KEPT, Kept, RoleWatch, drop_pending, keep_roles, replace_lost_in_sync,
-                                           replaces_in_sync, wait_manager)
-from dapo_megatron.logs import LOGS
+from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog
+from dapo_megatron.driver.recovery import drop_pending, replace_lost_in_sync, replaces_in_sync, wait_manager
 
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group before giving up
@@ -173,67 +168,8 @@ def _batch_metrics(step, metrics: dict, resident_bytes: int) -> dict:
             "data_plane/resident_mb": resident_bytes / 2**20}
 
 
-def run(cfg: DapoConfig) -> int:
-    """The run; when a role dies, restarted in this process from its last checkpoint up to
-    trainer.max_restarts times (Megatron's groups cannot take a new rank in: the training ranks
-    all start again; the other roles too, unless `recovery.keep_roles` keeps them). Each restart
-    is a line of <run dir>/events.jsonl."""
-    limit, restarts, kept = cfg.trainer.max_restarts, 0, None
-    while True:
-        try:
-            return _run(cfg, kept, may_keep=restarts < limit)
-        except roles.RoleDied as died:
-            if restarts == limit and limit:
-                raise roles.RoleDied(died.what, f"trainer.max_restarts={limit}") from None
-            if restarts == limit:
-                raise
-            restarts += 1
-            what, checkpoint = died.what, getattr(died, "checkpoint", None)
-            kept = getattr(died, "kept", None)
-            also = f"; {', '.join(KEPT)} kept" if kept else ""
-            print(f"{what}: restart {restarts} of trainer.max_restarts={limit}, from {checkpoint or 'the start'}"
-                  f"{also} (the dead role's output stays in {os.path.join(cfg.trainer.default_local_dir, LOGS)}/)",
-                  flush=True)
-            write_event(cfg.trainer.default_local_dir, "restart", what=what, step=getattr(died, "step", 0),
-                        checkpoint=checkpoint, restart=restarts, kept=list(KEPT) if kept else [])
-            if checkpoint:  # this run's own newest checkpoint, whatever resume_mode found at start
-                cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, resume_mode=checkpoint))
-
-
-def _run(cfg: DapoConfig, kept: Optional[Kept] = None, may_keep: bool = False) -> int:
-    """One attempt of the run: its roles started (or `kept` from the last attempt, new training
-    ranks among them), then the loop. `may_keep`: a restart is left, so a dead training rank may
-    leave the other roles up for it (`died.kept`); else every role goes with this Ray."""
-    try:
-        ctx = setup.restart_training(kept.ctx, cfg) if kept else setup.prepare(cfg)
-    except roles.RoleDied:  # a role died starting: its placement group goes with this Ray, or
-        ray.shutdown()  # the restart's would wait for devices it still holds
-        raise
-    setup.write_config(cfg, ctx.out_dir)
-    logger = MetricsLogger(ctx.out_dir, cfg.trainer.logger, project=cfg.trainer.project_name,
-                           experiment=cfg.trainer.experiment_name)
-    run_ = Run(cfg, ctx, logger, TimeShare.from_config(cfg, ctx.train, ctx.engines), PhaseLog(ctx.out_dir))
-    if kept:
-        run_.deaths, run_.engine_restarts = kept.deaths, kept.engine_restarts
-    signal.signal(signal.SIGTERM, lambda *_: setattr(run_, "stop_requested", True))
-    roles.set_watch(RoleWatch(skip_engines=cfg.rollout.max_engine_restarts > 0))
-    try:
-        return _loop(run_)
-    except roles.RoleDied as died:
-        # what a restart resumes from; the roles left go with this Ray (a rank whose peer died waits
-        # in a collective until dist_timeout_s: nothing of it can be saved), or stay for it
-        died.checkpoint, died.step = run_.checkpoint, run_.step
-        run_.phases.close()
-        run_.logger.close()
-        died.kept = keep_roles(run_, died) if may_keep else None
-        if died.kept is None:
-            ray.shutdown()
-        raise
-    finally:
-        roles.set_watch(None)
-
-
-def _loop(run_: Run) -> int:
+def train(run_: Run) -> int:
+    """The run's steps, from its start (build, resume, first sync) to its last save."""
     cfg, ctx = run_.cfg, run_.ctx
     setup.start(run_)  # build, resume, first sync: in turns with the engines (driver/colocate.py)
     if cfg.trainer.val_before_train and run_.step == 0:

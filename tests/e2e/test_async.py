@@ -68,7 +68,7 @@ def one_step_off(tiny_assets, tmp_path_factory):
 
     from dapo_megatron.config import load_config
     from dapo_megatron.driver.faults import KILL_ROLE_AT
-    from dapo_megatron.driver.loop import run
+    from dapo_megatron.driver.supervisor import run
     out = tmp_path_factory.mktemp("one_step_off") / "run"
     overrides = _overrides(tiny_assets, out, 3, **{
         "data.gen_batch_size": BATCH,

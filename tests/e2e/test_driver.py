@@ -65,10 +65,10 @@ def _main(overrides, env, timeout=600) -> subprocess.CompletedProcess:
 
 
 def _run_here(cfg) -> int:
-    """`driver.loop.run` in this process, Ray shut down after it (a failed run leaves actors)."""
+    """`driver.supervisor.run` in this process, Ray shut down after it (a failed run leaves actors)."""
     import ray
 
-    from dapo_megatron.driver.loop import run
+    from dapo_megatron.driver.supervisor import run
     try:
         return run(cfg)
     finally:

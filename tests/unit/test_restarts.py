@@ -8,7 +8,7 @@ import pytest
 
 from dapo_megatron import roles
 from dapo_megatron.config import ConfigError, load_config
-from dapo_megatron.driver import loop
+from dapo_megatron.driver import supervisor
 
 WHAT = "the actor died: The actor died unexpectedly"
 DIED = f"{WHAT}; restart the run, it resumes from the last checkpoint (trainer.resume_mode=auto)"
@@ -36,8 +36,8 @@ def _dies(calls: list, deaths: int, checkpoint=True, keeps=None):
 
 def test_a_dead_role_restarts_the_run_from_its_newest_checkpoint(tmp_path, monkeypatch, capsys):
     calls = []
-    monkeypatch.setattr(loop, "_run", _dies(calls, 2))
-    assert loop.run(_cfg(tmp_path, 2)) == 0
+    monkeypatch.setattr(supervisor, "attempt", _dies(calls, 2))
+    assert supervisor.run(_cfg(tmp_path, 2)) == 0
     assert calls == ["auto", "/run/checkpoints/step_1", "/run/checkpoints/step_2"]
     events = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
     assert [(e["event"], e["step"], e["checkpoint"], e["restart"]) for e in events] == [
@@ -53,8 +53,8 @@ def test_roles_an_attempt_kept_go_to_the_next_attempt(tmp_path, monkeypatch, cap
     left: the next attempt gets them, the console and events.jsonl say so; the last attempt may
     keep nothing (its Ray goes when it dies: no restart would take the roles over)."""
     calls, kept = [], object()
-    monkeypatch.setattr(loop, "_run", _dies(calls, 1, keeps=kept))
-    assert loop.run(_cfg(tmp_path, 1)) == 0
+    monkeypatch.setattr(supervisor, "attempt", _dies(calls, 1, keeps=kept))
+    assert supervisor.run(_cfg(tmp_path, 1)) == 0
     assert calls[1::2] == [(None, True), (kept, False)]
     (event,) = [json.loads(line) for line in open(tmp_path / "events.jsonl")]
     assert event["kept"] == ["the rollout engines", "the rollout manager", "the data plane"]
@@ -111,24 +111,24 @@ def test_a_rank_dead_in_an_object_store_sync_may_leave_the_roles(syncing, transp
 
 def test_an_attempt_that_saved_nothing_restarts_as_the_run_started(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(loop, "_run", _dies(calls, 1, checkpoint=False))
-    assert loop.run(_cfg(tmp_path, 1)) == 0
+    monkeypatch.setattr(supervisor, "attempt", _dies(calls, 1, checkpoint=False))
+    assert supervisor.run(_cfg(tmp_path, 1)) == 0
     assert calls == ["auto", "auto"]
 
 
 def test_spent_restarts_stop_naming_the_key(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(loop, "_run", _dies(calls, 5))
+    monkeypatch.setattr(supervisor, "attempt", _dies(calls, 5))
     with pytest.raises(roles.RoleDied, match=r"^the actor died: .*\(trainer.max_restarts=1: every restart spent\)$"):
-        loop.run(_cfg(tmp_path, 1))
+        supervisor.run(_cfg(tmp_path, 1))
     assert len(calls) == 2
 
 
 def test_no_restarts_is_todays_error(tmp_path, monkeypatch):
     calls = []
-    monkeypatch.setattr(loop, "_run", _dies(calls, 1))
+    monkeypatch.setattr(supervisor, "attempt", _dies(calls, 1))
     with pytest.raises(roles.RoleDied) as err:
-        loop.run(_cfg(tmp_path, 0))
+        supervisor.run(_cfg(tmp_path, 0))
     assert str(err.value) == DIED and calls == ["auto"] and not (tmp_path / "events.jsonl").exists()
 
 
@@ -145,7 +145,7 @@ def test_the_command_says_what_died_in_one_line(tmp_path, monkeypatch, capsys):
 
     def dead(cfg):
         raise roles.RoleDied(WHAT, "trainer.max_restarts=1")
-    monkeypatch.setattr(loop, "run", dead)
+    monkeypatch.setattr(supervisor, "run", dead)
     assert main(["--config-name", "quickstart", f"trainer.default_local_dir={tmp_path}"]) == EXIT_ROLE_DIED == 1
     err = capsys.readouterr().err.splitlines()
     assert [line for line in err if line.startswith("error:")] == [f"error: {DIED} (trainer.max_restarts=1: every "
@@ -211,13 +211,13 @@ def test_a_role_dead_at_start_up_takes_its_ray_with_it(tmp_path, monkeypatch):
 
     def prepare(*args):
         raise roles.RoleDied(WHAT)
-    monkeypatch.setattr(loop.setup, "prepare", prepare)
-    monkeypatch.setattr(loop.setup, "restart_training", prepare)
-    monkeypatch.setattr(loop.ray, "shutdown", lambda: shutdowns.append(1))
+    monkeypatch.setattr(supervisor.setup, "prepare", prepare)
+    monkeypatch.setattr(supervisor.setup, "restart_training", prepare)
+    monkeypatch.setattr(supervisor.ray, "shutdown", lambda: shutdowns.append(1))
     with pytest.raises(roles.RoleDied):
-        loop._run(_cfg(tmp_path, 1))
+        supervisor.attempt(_cfg(tmp_path, 1))
     with pytest.raises(roles.RoleDied):  # new ranks beside kept roles: the same
-        loop._run(_cfg(tmp_path, 1), kept=loop.Kept(None, None, 0), may_keep=True)
+        supervisor.attempt(_cfg(tmp_path, 1), kept=supervisor.Kept(None, None, 0), may_keep=True)
     assert shutdowns == [1, 1]
 
 
