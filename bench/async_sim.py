@@ -1,7 +1,7 @@
 """The training modes at 30B-class scale, simulated: the real rollout manager (rollout/manager.py:
 early-stop collection, dynamic sampling, the prompt stream, its threads) and the real trainer step
-(driver/loop.train_step: batches asked ahead, staleness from the engines' version record, weight
-pushes through setup.sync_weights) drive timed STAND-INS for the engines, the reward and the
+(driver/trainer.Trainer.train_step: batches asked ahead, staleness from the engines' version record, weight
+pushes through weight_sync.sync_weights) drive timed STAND-INS for the engines, the reward and the
 training ranks (no model, no vLLM, no Megatron: labelled "simulated" in every table).
 
     python bench/async_sim.py [--steps 14] [--scale 100] [--only calibration|large] [--engine engine.json]
@@ -43,9 +43,10 @@ from dapo_megatron.algo import Group  # noqa: E402
 from dapo_megatron.batch import Prompt  # noqa: E402
 from dapo_megatron.config.load import load_config  # noqa: E402
 from dapo_megatron.data.dataset import PromptItem  # noqa: E402
-from dapo_megatron.driver import loop  # noqa: E402
 from dapo_megatron.driver.colocate import TimeShare  # noqa: E402
 from dapo_megatron.driver.metrics import PhaseLog  # noqa: E402
+from dapo_megatron.driver.recovery import drop_pending  # noqa: E402
+from dapo_megatron.driver.trainer import Trainer  # noqa: E402
 from dapo_megatron.rollout.collect import ScoredGroup  # noqa: E402
 from dapo_megatron.rollout.manager import CONCURRENCY_GROUPS, RolloutManager  # noqa: E402
 from dapo_megatron.rollout.types import RolloutGroup, StoredGroup  # noqa: E402
@@ -54,7 +55,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import median  # noqa: E402  (bench/ is not a package)
 from results import Table, write  # noqa: E402
 
-MEASURES = ("SIMULATED: the real rollout manager and the real trainer step (`driver/loop.train_step`) over timed "
+MEASURES = ("SIMULATED: the real rollout manager and the real trainer step (`driver/trainer.Trainer.train_step`) over timed "
             "stand-ins for engines, reward and ranks (no model): a calibration against the quickstart, then a "
             "30B-class cluster with assumed parameters in each training mode.")
 
@@ -414,7 +415,7 @@ class _Ctx:
 
 
 def simulate(cluster: Cluster, mode: list[str], steps: int, scale: float, seed: int) -> list[dict]:
-    """One run: the trainer loop's steps (loop.train_step), their metrics in virtual seconds."""
+    """One run: the trainer loop's steps (Trainer.train_step), their metrics in virtual seconds."""
     cfg = load_config("quickstart_async", [*cluster.overrides, *mode, "rollout.sync.verify_every=0",
                                            f"rollout.seed={seed}", f"data.seed={seed}"], check=False)
     engine_cls = ray.remote(max_concurrency=16)(SimEngine)
@@ -423,12 +424,12 @@ def simulate(cluster: Cluster, mode: list[str], steps: int, scale: float, seed: 
     train = SimTrain(cluster, engines, scale)
     ray.get([e.pid.remote() for e in engines] + [manager.state_dict.remote()])  # started: the clock runs from here
     with tempfile.TemporaryDirectory() as out:
-        run = loop.Run(cfg, _Ctx(manager, train, engines, steps, out), None, TimeShare.from_config(cfg, train, engines),
-                       PhaseLog(out))
+        run = Trainer(cfg, _Ctx(manager, train, engines, steps, out), None, TimeShare.from_config(cfg, train, engines),
+                      PhaseLog(out))
         rows = []
         while run.step < steps:
             t0 = time.perf_counter()
-            metrics = loop.train_step(run)
+            metrics = run.train_step()
             if not metrics:
                 continue
             run.step += 1
@@ -442,7 +443,7 @@ def simulate(cluster: Cluster, mode: list[str], steps: int, scale: float, seed: 
             metrics["sim/kept_responses"] = metrics["sampling/kept_groups"] * cfg.rollout.n
             rows.append({k: v * scale if k.startswith("timing/") and not k.endswith("_frac") else v
                          for k, v in metrics.items()})
-        loop.drop_pending(run)
+        drop_pending(run)
         run.phases.close()
         ray.get(manager.shutdown.remote())
     ray.kill(manager)

@@ -4,7 +4,7 @@
                                 [--transports object_store,broadcast]
 
 For each size (Qwen3-MoE, 8 experts, fp32, random init) and actor layout, the driver's own path
-(`driver.setup.sync_weights`: pause -> each rank sends what it owns through `rollout.sync.transport` ->
+(`driver.weight_sync.sync_weights`: pause -> each rank sends what it owns through `rollout.sync.transport` ->
 post-process -> reset prefix cache -> resume) into one in-process vLLM engine, next to, in the
 same run: (a) a raw transfer of the same bytes over the same transport (a worker `ray.put`s
 buckets of the same size, another actor receives them) and (b) a memcpy of the same bytes.
@@ -121,7 +121,7 @@ def main() -> None:
     import ray
 
     from dapo_megatron.assets.models import build_tiny_model
-    from dapo_megatron.driver.setup import sync_weights
+    from dapo_megatron.driver.weight_sync import sync_weights
     from dapo_megatron.tools.check_sync import release, start, sync_config
     from dapo_megatron.weights import HFCheckpoint
     rows = []

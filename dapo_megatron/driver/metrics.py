@@ -16,6 +16,8 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Mapping, Sequence
 
+import torch
+
 # The console line shows these, in this order, when present.
 CONSOLE_KEYS = ("reward/mean", "acc/mean", "val/acc", "response_length/mean", "actor/entropy", "actor/pg_clipfrac",
                 "actor/grad_norm", "rollout/logprob_diff_max", "sampling/num_gen_batches", "timing/step")
@@ -211,3 +213,32 @@ class PhaseLog:
 
     def close(self) -> None:
         self._file.close()
+
+
+def staleness(versions: list[tuple[int, int]], syncs: int, bound: int) -> dict:
+    """Per response, the pushes its oldest token lags the weights it trains (the engine records
+    each token's policy version); a response sampled across a push is partial. A lag past
+    `bound` cannot happen by construction (a batch is asked `bound` steps ahead at most): it is
+    a bug in the version record, and training on it would break the staleness contract."""
+    lags = [syncs - oldest for oldest, _ in versions]
+    if max(lags) > bound or min(lags) < 0:
+        raise RuntimeError(f"a response's policy lag {max(lags)} (oldest version {min(v for v, _ in versions)}, "
+                           f"{syncs} weight pushes done) is outside [0, trainer.batches_ahead={bound}]")
+    return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags)),
+            "rollout/partial_frac": sum(a != b for a, b in versions) / len(versions)}
+
+
+def batch_metrics(step, metrics: dict, resident_bytes: int) -> dict:
+    """The kept batch's reward, length and advantage, from its metadata; the bytes the control
+    plane (the rollout manager) received from the engines per scored response (`driver/*`: the
+    names runs have always logged); what the data plane still holds once the step's partition
+    is cleared (its baseline: 0)."""
+    tokens = torch.tensor(step.loss_tokens, dtype=torch.float32)
+    adv = torch.tensor(step.advantages).abs()
+    received = metrics["driver/bytes"]
+    return {"reward/kept_mean": sum(step.scores) / len(step), "acc/kept_mean": sum(step.acc) / len(step),
+            "response_length/mean": sum(step.response_lengths) / len(step),
+            "advantages/abs_mean": float((adv * tokens).sum() / tokens.sum().clamp(min=1)),
+            "driver/bytes": received,
+            "driver/bytes_per_response": received / max(metrics.get("sampling/scored_responses", 1.0), 1.0),
+            "data_plane/resident_mb": resident_bytes / 2**20}

@@ -19,8 +19,8 @@ from typing import Optional
 import ray
 
 from dapo_megatron import roles
-from dapo_megatron.driver import setup
 from dapo_megatron.driver.metrics import write_event
+from dapo_megatron.driver.weight_sync import sync_weights
 from dapo_megatron.rollout.health import Death
 
 POLL_S = 60.0  # the manager's long poll for deaths returns empty after this; the driver asks again
@@ -101,7 +101,7 @@ def replace(run, death: Death, reported: bool = True) -> None:
             roles.as_role("actor", ctx.train.onload, params)
         try:
             with run.in_sync("replacement"):
-                setup.sync_weights(ctx.train, [new], cfg.rollout.sync, verify=True, version=run.syncs)
+                sync_weights(ctx.train, [new], cfg.rollout.sync, verify=True, version=run.syncs)
         finally:
             if params:
                 roles.as_role("actor", ctx.train.offload, params)
@@ -137,7 +137,7 @@ def replace_lost_in_sync(run, lost: list[int]) -> None:
 
 def drop_pending(run) -> None:
     """Batches generated but never trained (the run ended, stopped or restarts): their rows go;
-    their prompts are back in the stream of any checkpoint saved since (`setup.trainer_state`)."""
+    their prompts are back in the stream of any checkpoint saved since (`Trainer.state_dict`)."""
     while run.pending:
         step, _ = wait_manager(run, run.pending.popleft().ref)
         if step is not None:
@@ -184,7 +184,7 @@ def keep_roles(run, died: roles.RoleDied) -> Optional[Kept]:
 
 def _sync_keeps(run) -> bool:
     """No weight sync under way, or one whose engines stay fit to keep: object_store's engines get
-    whole `load_weights` calls only, and `setup.sync_weights` closes every engine's update however
+    whole `load_weights` calls only, and `weight_sync.sync_weights` closes every engine's update however
     the push ended (mixed weights, which the resume's sync replaces, checksummed). Not broadcast
     (its receivers wait in a collective with the dead rank), nor a replacement's sync (the manager
     does not hold the new engine yet)."""

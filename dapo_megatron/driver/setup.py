@@ -1,4 +1,5 @@
-"""What the loop needs around a step: start-up, weight sync, save / resume, restarts."""
+"""The run's roles built: placement, the rollout manager, the training ranks (prepare), and new
+training ranks beside kept roles after a restart (restart_training)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,22 +7,16 @@ import os
 import warnings
 from dataclasses import dataclass
 from functools import partial
-from typing import Optional
 
-import ray
-
-from dapo_megatron import dataplane, roles
+from dapo_megatron import dataplane
 from dapo_megatron.config import ConfigError, DapoConfig, check_model
-from dapo_megatron.config.schema import DataConfig, SyncConfig
+from dapo_megatron.config.schema import DataConfig
 from dapo_megatron.data.dataset import PromptDataset
 from dapo_megatron.driver.placement import Placement, beside_driver, init_ray, place
 from dapo_megatron.logs import log_file
 from dapo_megatron.models import ModelSpec
-from dapo_megatron.roles import as_role
 from dapo_megatron.rollout.manager import manager_actor
-from dapo_megatron.train.checkpoint import resolve_resume, start_checkpoint_problem
-from dapo_megatron.weights.checksum import checksum_mismatches
-from dapo_megatron.weights.hf_io import CheckpointError
+from dapo_megatron.train.checkpoint import start_checkpoint_problem
 from dapo_megatron.weights.load import check_hf_checkpoint
 
 
@@ -187,123 +182,3 @@ def tool_schemas(cfg: DapoConfig, tokenizer, tokenizer_key: str) -> list[dict] |
     except Exception as exc:  # noqa: BLE001 - whatever the template does, the user changes the same key
         raise ConfigError(tokenizer_key, f"{tokenizer_key}: {exc}") from None
     return [t.schema for t in tools.values()]
-
-
-def verify_due(cfg: DapoConfig, syncs: int) -> bool:
-    every = cfg.rollout.sync.verify_every
-    return every > 0 and syncs % every == 0
-
-
-def sync_weights(train, engines: list, sync: SyncConfig, verify: bool, version: Optional[int] = None,
-                 lost: Optional[list[int]] = None) -> dict:
-    """Actor -> engines: pause, load every bucket, post-process, reset prefix cache, resume.
-
-    With `verify`, per-tensor checksums of what each engine holds must equal what was sent; a
-    mismatch stops training with the tensors' names (silent sync corruption is the failure that
-    costs users the most). `version`: the policy version the engines record on every token they
-    sample from now on (the driver's count of pushes). `lost`: engines (indices) that die in the
-    sync are added to it and the others synced (the caller replaces them); None: such a death
-    stops the sync (RoleDied). Returns {"sync/bytes": bytes sent per engine}.
-    """
-    def each(call) -> list:
-        """`call` on every engine not lost, at once; their results (None for the lost)."""
-        skip = set(lost or ())
-        refs = [(i, None if i in skip else call(e)) for i, e in enumerate(engines)]
-        out = []
-        for i, ref in refs:
-            try:
-                out.append(None if ref is None else ray.get(ref))
-            except ray.exceptions.RayActorError as exc:
-                if lost is None:
-                    raise roles.died("rollout engine", exc) from None
-                lost.append(i)
-                out.append(None)
-        return out
-    each(lambda e: e.begin_weight_update.remote())
-    try:
-        sent, nbytes, dead = as_role("actor", train.push_weights, engines, sync.bucket_mb, verify, sync.transport)
-    finally:
-        each(lambda e: e.finish_weight_update.remote(version))
-    for i in dead:
-        if lost is None:
-            raise roles.died("rollout engine", f"engine {i} died in the weight sync")
-        if i not in lost:
-            lost.append(i)
-    if verify:
-        for i, held in enumerate(each(lambda e: e.checksums.remote())):
-            bad = [] if held is None else checksum_mismatches(sent, held)
-            if bad:
-                raise RuntimeError(f"weight sync verification failed on engine {i}: {len(bad)} tensors differ "
-                                   f"from the trainer's, e.g. {bad[:5]}")
-    return {"sync/bytes": nbytes}
-
-
-def trainer_state(run) -> dict:
-    """Counters, and the manager's prompt position and sampler state: a resume continues the stream."""
-    before = run.pending[0].step if run.pending else None  # untrained batches' prompts go back
-    return {"step": run.step, "syncs": run.syncs,
-            **roles.get("rollout manager", run.ctx.manager.state_dict.remote(before))}
-
-
-def save(run) -> None:
-    ctx = run.ctx
-    path = as_role("actor", ctx.train.save, os.path.join(ctx.out_dir, "checkpoints"), run.step, trainer_state(run),
-                   run.cfg.trainer.max_checkpoints_to_keep)
-    run.checkpoint = path
-    run.logger.plot_soon()
-    print(f"saved {path}", flush=True)
-
-
-def start(run) -> None:
-    """A run's first moments, in the turns a step takes with the device (driver/colocate.py):
-    the engines sleep, the ranks build (HF weights or model.load_checkpoint), a resume loads its
-    checkpoint, the actor offloads around the sync that puts the loaded weights into the engines
-    (also when sleeping at level 2 dropped theirs), and the engines wake for the first generation."""
-    run.share.before_build(run)
-    with run.timed("build"):
-        as_role("actor", run.ctx.train.setup, run.ctx.total_steps)
-    resumed = resume(run)
-    loaded = resumed or ("start" if run.cfg.model.load_checkpoint or run.share.drops_weights else None)
-    run.share.start(run, (lambda: _sync_loaded(run, loaded)) if loaded else None, resumed=bool(resumed))
-
-
-def resume(run) -> Optional[str]:
-    """trainer.resume_mode: auto (latest checkpoint if any), disable, or a step folder. Returns
-    "resume" when a checkpoint was loaded (new engines hold the HF weights, kept ones later
-    ones: `start` syncs the checkpoint's in), else None."""
-    path = resolve_resume(run.cfg.trainer.resume_mode, os.path.join(run.ctx.out_dir, "checkpoints"))
-    if path is None:
-        return None
-    run.share.before_resume(run)
-    try:
-        with run.timed("resume"):
-            state = as_role("actor", run.ctx.train.load, path)
-    except CheckpointError as exc:  # raised in a training rank; Ray wraps it with its traceback
-        raise CheckpointError(str(getattr(exc, "cause", None) or exc)) from None
-    run.step, run.syncs, run.checkpoint = state["step"], state["syncs"], path
-    roles.get("rollout manager", run.ctx.manager.load_state_dict.remote(state))
-    moved = run.logger.rewind(run.step)
-    later = f"; the metrics of {moved} later steps (their weights were not saved) moved to " \
-            f"metrics.discarded.jsonl" if moved else ""
-    print(f"resumed from {path} at step {run.step}{later}", flush=True)
-    return "resume"
-
-
-def _sync_loaded(run, what: str) -> None:
-    """The weights the ranks loaded (`what`: start or resume) into every engine, checksummed when
-    rollout.sync.verify_every is on; the engines record the run's push count as their version."""
-    with run.timed("sync", [what]), run.in_sync(what):
-        sync_weights(run.ctx.train, run.ctx.engines, run.cfg.rollout.sync,
-                     verify=run.cfg.rollout.sync.verify_every > 0, version=run.syncs)
-
-
-def shutdown(run) -> None:
-    # The roles stop while the last save's curves are drawn; plot() then draws only what that
-    # drawing missed (nothing, at the end of a run).
-    roles.get("rollout manager", run.ctx.manager.shutdown.remote())
-    run.logger.plot()
-    run.logger.close()
-    ray.kill(run.ctx.manager)  # not in the placement group: removing it would leave the actor
-    # Free the run's devices (its actors with them): a later run in the same process (a notebook,
-    # a test session) finds Ray still up and would wait forever for a placement group of its own.
-    run.ctx.placement.release()

@@ -1,5 +1,5 @@
 """The run's supervisor: each attempt's roles started (or kept from the last one), its steps
-taken (driver/loop.py), and the run restarted when a role dies (trainer.max_restarts).
+taken (driver/trainer.py), and the run restarted when a role dies (trainer.max_restarts).
 
 `run(cfg)` is what `python -m dapo_megatron.main` calls. Megatron's groups cannot take a new rank
 in, so a restart starts every training rank again from the newest checkpoint; the engines, the
@@ -17,10 +17,11 @@ import ray
 
 from dapo_megatron import roles
 from dapo_megatron.config import DapoConfig
-from dapo_megatron.driver import loop, setup
+from dapo_megatron.driver import setup
 from dapo_megatron.driver.colocate import TimeShare
 from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, write_event
 from dapo_megatron.driver.recovery import KEPT, Kept, RoleWatch, keep_roles
+from dapo_megatron.driver.trainer import Trainer
 from dapo_megatron.logs import LOGS
 
 
@@ -63,13 +64,13 @@ def attempt(cfg: DapoConfig, kept: Optional[Kept] = None, may_keep: bool = False
     setup.write_config(cfg, ctx.out_dir)
     logger = MetricsLogger(ctx.out_dir, cfg.trainer.logger, project=cfg.trainer.project_name,
                            experiment=cfg.trainer.experiment_name)
-    run_ = loop.Run(cfg, ctx, logger, TimeShare.from_config(cfg, ctx.train, ctx.engines), PhaseLog(ctx.out_dir))
+    run_ = Trainer(cfg, ctx, logger, TimeShare.from_config(cfg, ctx.train, ctx.engines), PhaseLog(ctx.out_dir))
     if kept:
         run_.deaths, run_.engine_restarts = kept.deaths, kept.engine_restarts
     signal.signal(signal.SIGTERM, lambda *_: setattr(run_, "stop_requested", True))
     roles.set_watch(RoleWatch(skip_engines=cfg.rollout.max_engine_restarts > 0))
     try:
-        return loop.train(run_)
+        return run_.train()
     except roles.RoleDied as died:
         # what a restart resumes from; the roles left go with this Ray (a rank whose peer died waits
         # in a collective until dist_timeout_s: nothing of it can be saved), or stay for it

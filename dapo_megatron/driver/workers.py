@@ -70,7 +70,7 @@ class TrainWorker:
             self.ref = Reference(c.ref, self.model_path, spec=self.spec, dtype=c.model.dtype,
                                  temperature=c.rollout.temperature,
                                  max_tokens_per_microbatch=c.actor.max_tokens_per_microbatch)
-        if start:  # (a resume, if any, loads the run's own checkpoint over it: driver/setup.resume)
+        if start:  # (a resume, if any, loads the run's own checkpoint over it: driver/trainer.Trainer.resume)
             from dapo_megatron.train.checkpoint import load_start
             load_start(start, self.actor, self.ref)
         return vars(info)

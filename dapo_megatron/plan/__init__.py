@@ -7,7 +7,7 @@
     update       the actor's state + saved activations + the logits of one micro-batch
     weight sync  the actor's parameters + the engine's weights + the sync buckets
 
-and per moment of a run that is not a step (the order driver/setup.start and driver/colocate.py
+and per moment of a run that is not a step (the order driver/trainer.Trainer.start and driver/colocate.py
 follow: the engines asleep while the training ranks build or load):
 
     start-up     the actor's whole state as built (HF weights or model.load_checkpoint) + the reference's

@@ -159,7 +159,7 @@ def check_sync(hf_dir: str, args) -> dict:
     import ray
 
     from dapo_megatron.convert import _copy_aux
-    from dapo_megatron.driver import setup
+    from dapo_megatron.driver.weight_sync import sync_weights
     from dapo_megatron.models import ModelSpec
     from dapo_megatron.rollout.types import Sampling
     from dapo_megatron.weights import HFCheckpoint
@@ -177,7 +177,7 @@ def check_sync(hf_dir: str, args) -> dict:
         batch.old_logprobs = train.compute_logprobs(ray.put(batch))[0]["logprobs"]
         train.update(ray.put(batch))
         t0 = time.perf_counter()
-        sync = setup.sync_weights(train, engines, cfg.rollout.sync, verify=cfg.rollout.sync.verify_every > 0)
+        sync = sync_weights(train, engines, cfg.rollout.sync, verify=cfg.rollout.sync.verify_every > 0)
         out.update(sync_s=time.perf_counter() - t0, sync_bytes=sync["sync/bytes"],
                    checksums="compared")
         with tempfile.TemporaryDirectory() as tmp:

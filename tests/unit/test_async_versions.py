@@ -1,6 +1,6 @@
 """The policy-version record of trainer.mode=async: the engine's bookkeeping splits a response
 where a weight push reached it (`Requests.new_version`), and the driver's staleness check reads
-those records (`driver.loop.staleness`). No vLLM engine: real vLLM RequestOutputs, fed by hand."""
+those records (`driver.metrics.staleness`). No vLLM engine: real vLLM RequestOutputs, fed by hand."""
 from __future__ import annotations
 
 import queue
@@ -56,7 +56,7 @@ def test_a_push_before_the_first_token_leaves_one_version():
 
 
 def test_staleness_from_the_recorded_versions():
-    from dapo_megatron.driver.loop import staleness
+    from dapo_megatron.driver.metrics import staleness
     got = staleness([(3, 3), (2, 3), (1, 2), (3, 3)], syncs=3, bound=2)
     assert got == {"rollout/staleness_mean": 0.75, "rollout/staleness_max": 2.0, "rollout/partial_frac": 0.5}
     with pytest.raises(RuntimeError, match=r"policy lag 3 .*trainer.batches_ahead=2"):

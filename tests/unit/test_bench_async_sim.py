@@ -1,4 +1,4 @@
-"""bench/async_sim.py drives the real rollout manager and the real `loop.train_step` with timed
+"""bench/async_sim.py drives the real rollout manager and the real `Trainer.train_step` with timed
 stand-ins: a change to either's interface fails here, not in the next bench run. Ray takes
 longer to start than this test may (~7 s on a busy 2-core machine), so its actors run in this
 process: `.remote()` on a thread pool per actor (one per concurrency group, Ray's sizes), a

@@ -1,0 +1,254 @@
+"""The trainer: one attempt's state, its steps and its moments as methods (driver/supervisor.py
+starts it, and starts another when a role dies).
+
+A step: take a batch -> advantages -> log-probs -> update -> sync -> log / save. The rollout
+manager (rollout/manager.py) produces each batch (generation, reward, dynamic sampling); the
+trainer holds the config, counters and each step's metadata (keys, lengths, scores, advantages:
+`StepBatch`) and passes handles: the tokens go from the engines into the data plane, and the
+training ranks read their share there. Start, resume, sync and the end take turns with the
+engines for the device (driver/colocate.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+import ray
+import torch
+
+from dapo_megatron import roles
+from dapo_megatron.algo import compute_grpo_advantages
+from dapo_megatron.config import DapoConfig
+from dapo_megatron.driver import faults, setup
+from dapo_megatron.driver.colocate import TimeShare
+from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, batch_metrics, staleness
+from dapo_megatron.driver.recovery import drop_pending, replace_lost_in_sync, replaces_in_sync, wait_manager
+from dapo_megatron.driver.weight_sync import sync_weights, verify_due
+from dapo_megatron.roles import as_role
+from dapo_megatron.train.checkpoint import resolve_resume
+from dapo_megatron.weights.hf_io import CheckpointError
+
+MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group before giving up
+
+
+@dataclass(frozen=True)
+class Request:
+    """A batch asked of the rollout manager: its future and the step it is for."""
+    ref: object
+    step: int
+
+
+@dataclass
+class Trainer:
+    cfg: DapoConfig
+    ctx: setup.Context  # the roles' handles (manager, ranks, engines), checkpoints, output dir
+    logger: MetricsLogger
+    share: TimeShare  # colocated placement: who holds the device memory in which phase
+    phases: PhaseLog
+    step: int = 0
+    syncs: int = 0
+    stop_requested: bool = False
+    timing: dict = field(default_factory=dict)
+    # one_step_off / async: the batches asked of the rollout manager beyond this step's, oldest first
+    pending: deque = field(default_factory=deque)
+    checkpoint: Optional[str] = None  # the newest this run saved or resumed from (a restart's)
+    deaths: object = None  # the manager's long poll for dead engines (driver/recovery.py)
+    engine_restarts: int = 0
+    syncing: Optional[str] = None  # the weight sync under way (`in_sync`)
+
+    @contextlib.contextmanager
+    def in_sync(self, what: str):
+        """Around a weight sync (`what`: step, resume or replacement): a rank that dies inside one
+        may leave roles that cannot be kept (`recovery.keep_roles`); left set when the sync raises."""
+        self.syncing = what
+        yield
+        self.syncing = None
+
+    @contextlib.contextmanager
+    def timed(self, name: str, what=()):
+        """A phase of the step: its seconds add up in timing/<name>, and it gets a line in phases.jsonl."""
+        t0 = time.perf_counter()
+        yield
+        seconds = time.perf_counter() - t0
+        self.timing[f"timing/{name}"] = self.timing.get(f"timing/{name}", 0.0) + seconds
+        self.phases.write(self.step + 1, name, what, seconds)
+
+    def train(self) -> int:
+        """The attempt's steps, from its start (build, resume, first sync) to its last save."""
+        cfg = self.cfg
+        self.start()
+        if cfg.trainer.val_before_train and self.step == 0:
+            self.logger.log(0, self.evaluate())
+        empty = 0
+        while self.step < self.ctx.total_steps and not self.stop_requested:
+            t0, cpu0 = time.perf_counter(), time.process_time()
+            metrics = self.train_step()
+            if not metrics:
+                empty += 1
+                if empty >= MAX_EMPTY_STEPS:
+                    raise RuntimeError(
+                        f"dynamic sampling kept no group in {empty} attempts at step {self.step + 1}: every group's "
+                        f"algorithm.filter_groups.metric ({cfg.algorithm.filter_groups.metric}) is identical. Check "
+                        "the reward, raise algorithm.filter_groups.max_num_gen_batches or set "
+                        "algorithm.filter_groups.enable=false")
+                print(f"step {self.step + 1}: dynamic sampling kept no group; generating again", flush=True)
+                continue
+            empty = 0
+            self.step += 1
+            # driver/cpu_s: CPU the driver process itself burned (advantages, metadata, logging), as
+            # opposed to waiting for the rollout manager and the training ranks.
+            metrics.update(self.timing, **{"timing/step": time.perf_counter() - t0,
+                                           "driver/cpu_s": time.process_time() - cpu0})
+            self.timing = {}
+            metrics.update(self.ctx.train.pop_memory())  # memory/device_peak_gb/<phase>; none on a CPU
+            if cfg.rollout.max_engine_restarts:
+                metrics["rollout/engine_restarts"] = float(self.engine_restarts)  # in this run so far
+            if cfg.trainer.test_freq > 0 and self.step % cfg.trainer.test_freq == 0:
+                metrics.update(self.evaluate())
+            self.logger.log(self.step, metrics)
+            if cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0:
+                self.save()
+        if not (cfg.trainer.save_freq > 0 and self.step % cfg.trainer.save_freq == 0):
+            self.save()  # the end of the run, or SIGTERM: keep what was trained
+        self.shutdown()
+        return 0
+
+    def train_step(self) -> dict:
+        """One DAPO step; returns its metrics (empty if dynamic sampling kept nothing). The step's
+        rows live in one data-plane partition, cleared when the update consumed them (or failed)."""
+        cfg, train = self.cfg, self.ctx.train
+        batch, rollout_metrics = self.take_batch()
+        if batch is None:
+            return {}
+        try:
+            self.share.to_training(self)  # engines sleep, the actor's state comes back
+            # one advantage per response, every token's (the loss broadcasts it over T)
+            batch.advantages = compute_grpo_advantages(torch.tensor(batch.scores), torch.tensor(batch.group),
+                                                       norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo).tolist()
+            lp_metrics = {}
+            if not cfg.actor.reuses_update_forward(cfg.rollout.n, len(batch)):  # else the update's forward is it
+                with self.timed("old_logprob"):
+                    written, lp_metrics = train.step_logprobs(batch, "actor")
+                batch.fields += tuple(written)  # old_logprobs, and the routes when the actor records them
+            if cfg.actor.use_kl_loss:
+                with self.timed("ref"):
+                    written, _ = train.step_logprobs(batch, "ref")
+                batch.fields += tuple(written)
+            with faults.injected("update", self.step + 1, self.ctx), self.timed("update"):
+                metrics = train.step_update(batch)
+        finally:  # the step's rows, consumed (or failed); what the data plane still holds
+            resident = roles.get("rollout manager", self.ctx.manager.release.remote(batch.partition))
+        metrics.update(self.sync())
+        metrics.update(rollout_metrics, **lp_metrics)
+        metrics.update(batch_metrics(batch, metrics, resident))
+        return metrics
+
+    def sync(self) -> dict:
+        """The step's weights into the engines, once the batches in flight that must finish on
+        the old ones have (unless they are carried); an engine lost in it is replaced after."""
+        self.share.before_sync(self)
+        if self.pending and not self.cfg.trainer.carries_in_flight:
+            with self.timed("sync_wait"):  # the batches in flight finish on the old weights (drain)
+                for request in self.pending:
+                    wait_manager(self, request.ref, get=False)
+        lost = [] if replaces_in_sync(self.cfg) else None  # engines that die in the sync (the rest synced)
+        with faults.injected("sync", self.step + 1, self.ctx), self.timed("sync"), self.in_sync("step"):
+            self.syncs += 1
+            metrics = sync_weights(self.ctx.train, self.ctx.engines, self.cfg.rollout.sync, lost=lost,
+                                   verify=verify_due(self.cfg, self.syncs), version=self.syncs)
+        replace_lost_in_sync(self, lost or [])  # before the time share wakes every engine's KV cache
+        self.share.after_sync(self)
+        return metrics
+
+    def take_batch(self) -> tuple:
+        """This step's batch and its rollout metrics. sync: generated now, with the last step's
+        weights. one_step_off / async: asked trainer.batches_ahead steps ago, generated while earlier
+        steps trained; the batches of the next steps are asked before this one trains."""
+        ahead = self.cfg.trainer.batches_ahead
+        request = self.pending.popleft() if self.pending else self._request(self.step + 1)
+        with self.timed("trainer_wait" if ahead else "gen"):
+            batch, metrics = wait_manager(self, request.ref)
+        asked = self.pending[-1].step if self.pending else request.step
+        for s in range(asked + 1, min(self.step + 1 + ahead, self.ctx.total_steps) + 1):
+            self.pending.append(self._request(s))
+        if batch is not None:
+            metrics.update(staleness(batch.versions, self.syncs, ahead))
+        return batch, metrics
+
+    def _request(self, step: int) -> Request:
+        return Request(self.ctx.manager.next_batch.remote(step), step)
+
+    def evaluate(self) -> dict:
+        """The rollout manager's validation (rollout.val_kwargs): val/acc overall and per source; an
+        engine that dies meanwhile is replaced (rollout.max_engine_restarts), as in a collection."""
+        return wait_manager(self, self.ctx.manager.evaluate.remote(self.step))
+
+    def start(self) -> None:
+        """The attempt's first moments, in the turns a step takes with the device: the engines
+        sleep, the ranks build (HF weights or model.load_checkpoint), a resume loads its
+        checkpoint, the actor offloads around the sync that puts the loaded weights into the
+        engines (also when sleeping at level 2 dropped theirs), and the engines wake."""
+        self.share.before_build(self)
+        with self.timed("build"):
+            as_role("actor", self.ctx.train.setup, self.ctx.total_steps)
+        resumed = self.resume()
+        loaded = resumed or ("start" if self.cfg.model.load_checkpoint or self.share.drops_weights else None)
+        self.share.start(self, (lambda: self._sync_loaded(loaded)) if loaded else None, resumed=bool(resumed))
+
+    def resume(self) -> Optional[str]:
+        """trainer.resume_mode: auto (latest checkpoint if any), disable, or a step folder. Returns
+        "resume" when a checkpoint was loaded (new engines hold the HF weights, kept ones later
+        ones: `start` syncs the checkpoint's in), else None."""
+        path = resolve_resume(self.cfg.trainer.resume_mode, os.path.join(self.ctx.out_dir, "checkpoints"))
+        if path is None:
+            return None
+        self.share.before_resume(self)
+        try:
+            with self.timed("resume"):
+                state = as_role("actor", self.ctx.train.load, path)
+        except CheckpointError as exc:  # raised in a training rank; Ray wraps it with its traceback
+            raise CheckpointError(str(getattr(exc, "cause", None) or exc)) from None
+        self.step, self.syncs, self.checkpoint = state["step"], state["syncs"], path
+        roles.get("rollout manager", self.ctx.manager.load_state_dict.remote(state))
+        moved = self.logger.rewind(self.step)
+        later = f"; the metrics of {moved} later steps (their weights were not saved) moved to " \
+                f"metrics.discarded.jsonl" if moved else ""
+        print(f"resumed from {path} at step {self.step}{later}", flush=True)
+        return "resume"
+
+    def _sync_loaded(self, what: str) -> None:
+        """The weights the ranks loaded (`what`: start or resume) into every engine, checksummed when
+        rollout.sync.verify_every is on; the engines record the run's push count as their version."""
+        with self.timed("sync", [what]), self.in_sync(what):
+            sync_weights(self.ctx.train, self.ctx.engines, self.cfg.rollout.sync,
+                         verify=self.cfg.rollout.sync.verify_every > 0, version=self.syncs)
+
+    def state_dict(self) -> dict:
+        """Counters, and the manager's prompt position and sampler state: a resume continues the stream."""
+        before = self.pending[0].step if self.pending else None  # untrained batches' prompts go back
+        return {"step": self.step, "syncs": self.syncs,
+                **roles.get("rollout manager", self.ctx.manager.state_dict.remote(before))}
+
+    def save(self) -> None:
+        path = as_role("actor", self.ctx.train.save, os.path.join(self.ctx.out_dir, "checkpoints"), self.step,
+                       self.state_dict(), self.cfg.trainer.max_checkpoints_to_keep)
+        self.checkpoint = path
+        self.logger.plot_soon()
+        print(f"saved {path}", flush=True)
+
+    def shutdown(self) -> None:
+        """The batches asked ahead dropped, then the roles: the curves are drawn while they stop
+        (plot() then draws only what that drawing missed: nothing, at the end of a run)."""
+        drop_pending(self)
+        self.phases.close()
+        roles.get("rollout manager", self.ctx.manager.shutdown.remote())
+        self.logger.plot()
+        self.logger.close()
+        ray.kill(self.ctx.manager)  # not in the placement group: removing it would leave the actor
+        # Free the run's devices (its actors with them): a later run in the same process (a notebook,
+        # a test session) finds Ray still up and would wait forever for a placement group of its own.
+        self.ctx.placement.release()
