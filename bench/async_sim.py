@@ -47,7 +47,7 @@ from dapo_megatron.driver.colocate import TimeShare  # noqa: E402
 from dapo_megatron.driver.metrics import PhaseLog  # noqa: E402
 from dapo_megatron.driver.recovery import drop_pending  # noqa: E402
 from dapo_megatron.driver.trainer import Trainer  # noqa: E402
-from dapo_megatron.rollout.collect import ScoredGroup  # noqa: E402
+from dapo_megatron.rollout.collection import ScoredGroup  # noqa: E402
 from dapo_megatron.rollout.manager import CONCURRENCY_GROUPS, RolloutManager  # noqa: E402
 from dapo_megatron.rollout.types import RolloutGroup, StoredGroup  # noqa: E402
 
@@ -310,7 +310,7 @@ class SimEngine:
 class SimScorer:
     """STAND-IN for the reward: response j of a prompt is correct with the prompt's solve rate
     (drawn once per prompt from Beta(cluster.solve)), never when it hit max_tokens; +1 / -1.
-    The ScoreFn of rollout/collect.py, with RewardScorer's metrics."""
+    The ScoreFn of rollout/collection/, with RewardScorer's metrics."""
 
     def __init__(self, cluster: Cluster, scale: float, seed: int):
         self.c, self.scale, self.seed = cluster, scale, seed

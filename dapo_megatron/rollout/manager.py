@@ -1,8 +1,8 @@
 """The rollout manager: the producer side of the loop, one Ray actor.
 
 It owns the prompt stream, the engines' submission / poll / abort, the reward worker (in this
-process), dynamic sampling (both modes, rollout/collect.py), validation and the data plane's
-start and stop, and hands the trainer a finished
+process), dynamic sampling (a collection strategy, rollout/collection/), validation and the data
+plane's start and stop, and hands the trainer a finished
 `StepBatch` (keys + metadata; the tokens are in the data plane) per `next_batch` call. In the
 synchronous loop the trainer asks for each batch after its weight push, so generation and training
 take turns as the DAPO recipe does; with trainer.mode=one_step_off / async it asks for the next
@@ -20,7 +20,6 @@ import os
 import signal
 import threading
 import time
-from functools import partial
 from typing import Optional
 
 import ray
@@ -34,10 +33,10 @@ from dapo_megatron.dataplane import StepBatch
 from dapo_megatron.logs import redirect_output
 from dapo_megatron.reward.metrics import validation_metrics
 from dapo_megatron.roles import as_role, died
-from dapo_megatron.rollout.collect import (Collected, RewardScorer, Store, collect_early_stop, collect_sync,
-                                           groups_to_batch)
+from dapo_megatron.rollout import collection
+from dapo_megatron.rollout.collection import Collected, Source, Store, groups_to_batch
 from dapo_megatron.rollout.health import Death, EngineHealth
-from dapo_megatron.rollout.reward_worker import RewardWorker
+from dapo_megatron.rollout.reward_worker import RewardScorer, RewardWorker
 from dapo_megatron.rollout.types import Sampling
 
 
@@ -98,12 +97,13 @@ class RolloutManager:
         self.prompts = PromptSampler(len(train_data), shuffle=cfg.data.shuffle, seed=cfg.data.seed)
         self.sampler = DynamicSampler(cfg.data.train_batch_size, fg.max_num_gen_batches, fg.on_exhausted, fg.enable)
         self.collections = 0  # names each collection's data-plane partition
-        # async partial rollouts: the groups in flight when the last batch filled, which the next
-        # collection takes over; a checkpoint returns their prompts to the stream (`_state`)
-        self.carried = None
         rollout = cfg.rollout
         self.health = (EngineHealth(self.engines, rollout.max_engine_restarts, rollout.engine_timeout_s)
                        if rollout.max_engine_restarts or rollout.engine_timeout_s else None)
+        # async partial rollouts: the strategy keeps the groups in flight when the last batch
+        # filled for the next collection; a checkpoint returns their prompts to the stream (`_state`)
+        self.collection = collection.build(cfg, Source(self.engines, train_data, self.prompts, self.sampler, scorer,
+                                                       cfg.data.gen_batch_size, self.health))
         # step -> the state before its batch was collected: a checkpoint taken while that batch
         # waits untrained (trainer.mode=one_step_off / async) saves this one, so its prompts come back.
         self.before: dict[int, dict] = {}
@@ -142,25 +142,9 @@ class RolloutManager:
         store = Store(f"step{step}-{self.collections}", self.plane, between=self._release_deferred)
         sampling = self._sampling(Sampling.from_config(cfg.rollout, cfg.data.max_response_length,
                                                        seed=cfg.rollout.seed + step - 1))
-        args = (self.engines, self.train_data, self.prompts, self.sampler, self.scorer, sampling,
-                cfg.data.gen_batch_size, store)
-        t = cfg.trainer
-        if cfg.algorithm.filter_groups.mode == "early_stop":
-            # async with partial rollouts: stragglers go on into the next batch, not aborted, and
-            # the groups of max_staleness - 1 more batches may be in flight beside this one's; a
-            # group trained at step `step` (step - 1 pushes done) may lag max_staleness pushes
-            carry = t.carries_in_flight
-            collect = partial(collect_early_stop, health=self.health, carried=self.carried, carry=carry,
-                              oldest_version=step - 1 - t.max_staleness if carry else None,
-                              batches_after=t.max_staleness - 1 if carry else 0, wait=t.stale_strategy == "wait")
-            args = (*args, cfg.rollout.max_concurrent_per_engine)
-        else:
-            collect = partial(collect_sync, health=self.health)
         _kill_engine_during(step, self.engines)
-        self.carried = None
         try:
-            collected = as_role("rollout engine", collect, *args)
-            self.carried = collected.carried
+            collected = as_role("rollout engine", self.collection.collect, step, sampling, store)
             if self.health is not None:  # the batch goes back once every engine is replaced: the
                 self.health.wait_alive(any_of=False)  # driver's next sync reaches them all
         except BaseException:
@@ -248,9 +232,10 @@ class RolloutManager:
 
     def _state(self) -> dict:
         prompts = self.prompts
-        if self.carried is not None:  # generated, not trained: a resume samples them again
+        carried = self.collection.in_flight()
+        if carried:  # generated, not trained: a resume samples them again
             prompts = copy.deepcopy(prompts)
-            prompts.push_back([item.index for _, item in self.carried.in_flight.values()])
+            prompts.push_back([item.index for item in carried])
         return {"prompts": prompts.state_dict(), "dynamic_sampling": self.sampler.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:

@@ -86,7 +86,7 @@ class RecordingSampler:
 def half_degenerate(items, groups):
     """Even dataset indices: every response 'correct' (a group with no signal); odd: mixed."""
     from dapo_megatron.algo import Group
-    from dapo_megatron.rollout.collect import ScoredGroup
+    from dapo_megatron.rollout.collection import ScoredGroup
     out = []
     for item, group in zip(items, groups):
         n = len(group.keys)
@@ -99,7 +99,7 @@ def _check_kept(result, plane, partition):
     """The kept batch, and the data plane holding its rows and nothing else (filtered and aborted
     groups cleared at once); the driver received metadata only: tens of bytes per response."""
     from dapo_megatron.dataplane import read_batch
-    from dapo_megatron.rollout.collect import groups_to_batch
+    from dapo_megatron.rollout.collection import groups_to_batch
     assert len(result.groups) == TRAIN
     assert all(g.payload.item.index % 2 == 1 for g in result.groups)
     step = groups_to_batch(result.groups, partition)
@@ -126,14 +126,13 @@ def test_the_engine_process_runs_in_the_device_layers_environment(env):
 
 def test_sync_mode_keeps_exactly_train_batch_size(env):
     from dapo_megatron.algo import DynamicSampler
-    from dapo_megatron.rollout.collect import collect_sync
+    from dapo_megatron.rollout.collection import Rounds, Source, Store
     from dapo_megatron.rollout.types import Sampling
-    from dapo_megatron.rollout.collect import Store
     dataset, engine, plane, _ = env
     prompts = RecordingSampler(len(dataset))
     sampler = DynamicSampler(TRAIN, max_num_gen_batches=10)
-    result = collect_sync([engine], dataset, prompts, sampler, half_degenerate,
-                          Sampling(n=N, temperature=1.0, max_tokens=8, seed=0), GEN, Store("sync", plane))
+    rounds = Rounds(Source([engine], dataset, prompts, sampler, half_degenerate, GEN))
+    result = rounds.collect(1, Sampling(n=N, temperature=1.0, max_tokens=8, seed=0), Store("sync", plane))
     _check_kept(result, plane, "sync")
     assert len(prompts.served) == GEN * result.metrics["sampling/num_gen_batches"]
     assert result.metrics["sampling/discarded_tokens"] > 0  # the even groups were generated and dropped
@@ -147,7 +146,7 @@ def _early_stop_steps(engine, dataset, plane, sampling, partition, steps=3):
     of timing: a step in which every group came back in the same poll has nothing to abort, so
     the abort path gets up to `steps` chances. Returns the metrics of every step."""
     from dapo_megatron.algo import DynamicSampler
-    from dapo_megatron.rollout.collect import Store, collect_early_stop
+    from dapo_megatron.rollout.collection import EarlyStop, Source, Store
     out = []
     for step in range(steps):
         prompts, seen = RecordingSampler(len(dataset), seed=3 + step), []
@@ -156,8 +155,8 @@ def _early_stop_steps(engine, dataset, plane, sampling, partition, steps=3):
             seen.extend(it.index for it in items)
             return half_degenerate(items, groups)
 
-        result = collect_early_stop([engine], dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10),
-                                    scorer, sampling, GEN, Store(partition, plane), max_concurrent_per_engine=4 * N)
+        source = Source([engine], dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer, GEN)
+        result = EarlyStop(source, max_concurrent_per_engine=4 * N).collect(step + 1, sampling, Store(partition, plane))
         _check_kept(result, plane, partition)
         pushed = prompts.inner.state_dict()["pushed_back"]
         assert sorted(seen + pushed) == sorted(prompts.served) and len(set(seen)) == len(seen)
@@ -186,7 +185,7 @@ def test_early_stop_carries_groups_in_flight_into_the_next_collection(env):
     from collections import Counter
 
     from dapo_megatron.algo import DynamicSampler
-    from dapo_megatron.rollout.collect import Store, collect_early_stop
+    from dapo_megatron.rollout.collection import Carrying, Source, Staleness, Store
     from dapo_megatron.rollout.types import Sampling
     dataset, engine, plane, _ = env
     sampling = Sampling(n=N, temperature=1.0, max_tokens=48, seed=0, stop_token_ids=tuple(range(100, 130)))
@@ -196,27 +195,34 @@ def test_early_stop_carries_groups_in_flight_into_the_next_collection(env):
         scored.extend((it.index, g.request_id) for it, g in zip(items, groups))
         return half_degenerate(items, groups)
 
-    def collect(partition, carried, **kw):
+    # max_staleness 2: a group trained at step s may hold tokens of version s - 3
+    carrying = Carrying(Source([engine], dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer, GEN),
+                        max_concurrent_per_engine=4 * N, staleness=Staleness(2))
+
+    def collect(partition, step):
         start = len(scored)
-        result = collect_early_stop([engine], dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer,
-                                    sampling, GEN, Store(partition, plane), max_concurrent_per_engine=4 * N,
-                                    carried=carried, **kw)
+        result = carrying.collect(step, sampling, Store(partition, plane))
         _check_kept(result, plane, partition)  # carried groups stored in this partition, dropped ones not kept
         return result, {rid for _, rid in scored[start:]}
 
-    first, _ = collect("carry1", None, carry=True, batches_after=1)
-    assert first.metrics["sampling/aborted_groups"] == 0 and first.carried is not None
-    carried = set(first.carried.in_flight)
+    first, _ = collect("carry1", 1)
+    assert first.metrics["sampling/aborted_groups"] == 0 and carrying.carried is not None
+    carried = set(carrying.carried.in_flight)
     assert first.metrics["sampling/carried_groups"] == len(carried) >= 1
-    second, rids2 = collect("carry2", first.carried, carry=True, batches_after=1, oldest_version=0)
+    # what a checkpoint returns to the stream: the prompts served, neither scored nor given back
+    assert Counter(it.index for it in carrying.in_flight()) == \
+        Counter(prompts.served) - Counter(i for i, _ in scored) - Counter(prompts.returned)
+    second, rids2 = collect("carry2", 3)  # oldest version allowed: 0
     assert carried & rids2, (carried, rids2)  # finished and scored in the next collection
-    assert second.metrics["sampling/stale_groups"] == 0 and second.carried is not None
-    carried2 = set(second.carried.in_flight)
+    assert second.metrics["sampling/stale_groups"] == 0 and carrying.carried is not None
+    carried2 = set(carrying.carried.in_flight)
     import ray
     ray.get(engine.begin_weight_update.remote())  # a push (of no tensors): what runs on is sampled by version 1
     ray.get(engine.finish_weight_update.remote(1))
-    third, rids3 = collect("carry3", second.carried, oldest_version=1)  # the carried began under version 0
+    third, rids3 = collect("carry3", 4)  # oldest allowed: 1; the carried began under version 0
     assert not carried2 & rids3 and third.metrics["sampling/stale_groups"] <= len(carried2)
+    if carrying.carried is not None:  # the run ends: what is still in flight is aborted, its prompts returned
+        prompts.push_back([it.index for it in carrying.carried.abort_all()[0]])
     assert Counter(prompts.served) == Counter(i for i, _ in scored) + Counter(prompts.returned)
 
 
@@ -232,7 +238,8 @@ def test_a_batch_waits_for_the_stragglers_the_next_would_drop(env):
     import ray
 
     from dapo_megatron.algo import DynamicSampler
-    from dapo_megatron.rollout.collect import Store, _EarlyStop, _Tokens, collect_early_stop
+    from dapo_megatron.rollout.collection import Carrying, Source, Staleness, Store, Stream
+    from dapo_megatron.rollout.collection.base import Tokens
     from dapo_megatron.rollout.types import Sampling
     dataset, engine, plane, _ = env
     long = Sampling(n=N, temperature=1.0, max_tokens=440, seed=0, ignore_eos=True)
@@ -243,11 +250,14 @@ def test_a_batch_waits_for_the_stragglers_the_next_would_drop(env):
         scored.extend((it.index, g.request_id) for it, g in zip(items, groups))
         return half_degenerate(items, groups)
 
-    def collect(partition, carried, oldest_version, **kw):
+    source = Source([engine], dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer, GEN)
+    # max_staleness 4 (room beside the stragglers for new groups); the batch at step s trains
+    # tokens of version s - 5 and later
+    waiting = Carrying(source, max_concurrent_per_engine=16 * N, staleness=Staleness(4, wait=True))
+
+    def collect(carrying, partition, oldest_version):
         start = len(scored)
-        result = collect_early_stop([engine], dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer,
-                                    short, GEN, Store(partition, plane), max_concurrent_per_engine=16 * N,
-                                    carried=carried, oldest_version=oldest_version, **kw)
+        result = carrying.collect(oldest_version + 5, short, Store(partition, plane))
         _check_kept(result, plane, partition)
         return result, {rid for _, rid in scored[start:]}
 
@@ -257,22 +267,26 @@ def test_a_batch_waits_for_the_stragglers_the_next_would_drop(env):
 
     v = 100  # the module's engine has had pushes of other tests
     push(v)
-    stragglers = _EarlyStop([engine], dataset, long, 16 * N, _Tokens(Store("wait1", plane)))
+    stragglers = Stream([engine], dataset, long, 16 * N, Tokens(Store("wait1", plane)))
     stragglers.queued.extend(dataset[i] for i in prompts.next(2))
     stragglers.submit_ready(2)
     carried = set(stragglers.in_flight)
     push(v + 1)  # the batch before trained: max_staleness 1 lets the next batch train version v, not later ones
     assert set(ray.get(engine.oldest_versions.remote(list(carried))).values()) == {v}
-    # room beside the stragglers for new groups: they fill the batch first
-    second, rids2 = collect("wait2", stragglers, v, carry=True, batches_after=3, wait=True)
+    waiting.carried = stragglers  # the new groups fill the batch first
+    second, rids2 = collect(waiting, "wait2", v)
     assert second.metrics["sampling/waited_groups"] == 2 and second.metrics["timing/stale_wait"] > 0
     assert carried <= rids2, carried - rids2  # scored here, none left to drop
     trained = {g.payload.rollout.request_id for g in second.groups}
     assert {rid for i, rid in scored if rid in carried and i % 2} <= trained  # the kept ones in the batch
-    held = set(second.carried.in_flight) if second.carried is not None else set()
+    held = set(waiting.carried.in_flight) if waiting.carried is not None else set()
     assert min(ray.get(engine.oldest_versions.remote(list(held))).values(), default=v + 1) == v + 1
-    third, _ = collect("wait3", second.carried, v + 1)  # the rest aborted, prompts returned
-    assert third.metrics["sampling/stale_groups"] == 0
+    dropping = Carrying(source, max_concurrent_per_engine=16 * N, staleness=Staleness(4))
+    dropping.carried = waiting.carried
+    third, _ = collect(dropping, "wait3", v + 1)
+    assert third.metrics["sampling/stale_groups"] == 0 and "sampling/waited_groups" not in third.metrics
+    if dropping.carried is not None:  # the rest aborted, prompts returned
+        prompts.push_back([it.index for it in dropping.carried.abort_all()[0]])
     assert Counter(prompts.served) == Counter(i for i, _ in scored) + Counter(prompts.returned)
 
 
@@ -360,7 +374,7 @@ def test_sync_mode_generates_a_killed_engines_shard_again_on_its_replacement(env
     import signal
 
     from dapo_megatron.algo import DynamicSampler
-    from dapo_megatron.rollout.collect import Store, collect_sync
+    from dapo_megatron.rollout.collection import Rounds, Source, Store
     from dapo_megatron.rollout.health import EngineHealth
     from dapo_megatron.rollout.types import Sampling
     dataset, engine, plane, _ = env
@@ -374,8 +388,8 @@ def test_sync_mode_generates_a_killed_engines_shard_again_on_its_replacement(env
         seen.extend(it.index for it in items)
         return half_degenerate(items, groups)
     kill, _ = _signal_engine_in(engines[1], signal.SIGKILL, 0.3)
-    result = collect_sync(engines, dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer,
-                          Sampling(**LONG), GEN, Store("sync-killed", plane), health=health)
+    source = Source(engines, dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer, GEN, health)
+    result = Rounds(source).collect(1, Sampling(**LONG), Store("sync-killed", plane))
     kill.join()
     health.wait_alive(any_of=False)  # as the manager does before it hands the batch over
     server.join(timeout=5)
@@ -396,7 +410,7 @@ def test_early_stop_requeues_a_hung_engines_prompts_and_kills_it(env, replacemen
     import ray
 
     from dapo_megatron.algo import DynamicSampler
-    from dapo_megatron.rollout.collect import Store, collect_early_stop
+    from dapo_megatron.rollout.collection import EarlyStop, Source, Store
     from dapo_megatron.rollout.health import EngineHealth
     from dapo_megatron.rollout.types import Sampling
     dataset, engine, plane, _ = env
@@ -411,9 +425,9 @@ def test_early_stop_requeues_a_hung_engines_prompts_and_kills_it(env, replacemen
         seen.extend(it.index for it in items)
         return half_degenerate(items, groups)
     stop, pid = _signal_engine_in(victim, signal.SIGSTOP, 0.3)
-    result = collect_early_stop(engines, dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer,
-                                Sampling(**{**LONG, "max_tokens": 64}), GEN, Store("early-hung", plane), max_concurrent_per_engine=4 * N,
-                                health=health)
+    source = Source(engines, dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), scorer, GEN, health)
+    result = EarlyStop(source, max_concurrent_per_engine=4 * N).collect(
+        1, Sampling(**{**LONG, "max_tokens": 64}), Store("early-hung", plane))
     stop.join()
     health.wait_alive(any_of=False)
     server.join(timeout=5)

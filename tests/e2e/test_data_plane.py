@@ -129,15 +129,17 @@ def test_rows_round_trip_by_key_and_field_and_clear_to_baseline(plane_env):
 def _collect(plane_env, length, partition):
     from dapo_megatron.algo import DynamicSampler
     from dapo_megatron.data.sampler import PromptSampler
-    from dapo_megatron.rollout.collect import RewardScorer, Store, collect_sync, received
+    from dapo_megatron.rollout.collection import Rounds, Source, Store, received
+    from dapo_megatron.rollout.reward_worker import RewardScorer
     from dapo_megatron.rollout.types import Sampling
     ray = pytest.importorskip("ray")
     handle, plane, reward = plane_env
     engine = ray.remote(FakeEngine).options(num_cpus=0).remote(handle, length)
     scorer = RewardScorer(reward, "acc")
     data = Items(8)
-    result = collect_sync([engine], data, PromptSampler(len(data), shuffle=False, seed=0), DynamicSampler(4, 1, enable=False),
-                          scorer, Sampling(n=N, max_tokens=length), 4, Store(partition, plane))
+    source = Source([engine], data, PromptSampler(len(data), shuffle=False, seed=0), DynamicSampler(4, 1, enable=False),
+                    scorer, 4)
+    result = Rounds(source).collect(1, Sampling(n=N, max_tokens=length), Store(partition, plane))
     return result, result.metrics["driver/bytes"] / result.metrics["sampling/scored_responses"], received(result)
 
 
@@ -167,7 +169,7 @@ def test_each_dp_rank_reads_only_its_share(plane_env):
     the DP shares cover the batch once. TP / PP peers use the same split (their DP rank's)."""
     from dapo_megatron import dataplane
     from dapo_megatron.batch import FIELDS
-    from dapo_megatron.rollout.collect import groups_to_batch
+    from dapo_megatron.rollout.collection import groups_to_batch
     from dapo_megatron.batch import READ_BY_LOGPROBS, read_by
     from dapo_megatron.train.microbatch import split_for_dp
     _, plane, _ = plane_env
@@ -194,7 +196,8 @@ def test_early_stop_clears_aborted_and_filtered_groups_at_once(plane_env):
     ray = pytest.importorskip("ray")
     from dapo_megatron.algo import DynamicSampler, Group
     from dapo_megatron.data.sampler import PromptSampler
-    from dapo_megatron.rollout.collect import RewardScorer, ScoredGroup, Store, collect_early_stop
+    from dapo_megatron.rollout.collection import EarlyStop, ScoredGroup, Source, Store
+    from dapo_megatron.rollout.reward_worker import RewardScorer
     from dapo_megatron.rollout.types import Sampling
     handle, plane, reward = plane_env
     engine = ray.remote(FakeEngine).options(num_cpus=0, max_concurrency=4).remote(handle, 32, delay=0.3)
@@ -208,8 +211,8 @@ def test_early_stop_clears_aborted_and_filtered_groups_at_once(plane_env):
     data = Items(24)
     prompts = PromptSampler(len(data), shuffle=False, seed=0)
     baseline = plane.resident_bytes()
-    result = collect_early_stop([engine], data, prompts, DynamicSampler(3, 10), scorer,
-                                Sampling(n=N, max_tokens=32), 6, Store("early", plane), max_concurrent_per_engine=6 * N)
+    source = Source([engine], data, prompts, DynamicSampler(3, 10), scorer, 6)
+    result = EarlyStop(source, max_concurrent_per_engine=6 * N).collect(1, Sampling(n=N, max_tokens=32), Store("early", plane))
     assert len(result.groups) == 3 and all(isinstance(g.payload, ScoredGroup) for g in result.groups)
     assert result.metrics["sampling/aborted_groups"] >= 1 and result.metrics["sampling/filtered_tokens"] > 0
     kept = sorted(k for g in result.groups for k in g.payload.rollout.keys)
@@ -225,8 +228,8 @@ def test_scorer_gives_the_rows_extra_info_to_a_custom_reward(plane_env, tmp_path
     from dapo_megatron.config.schema import DapoConfig, RewardConfig
     from dapo_megatron.data.dataset import PromptItem
     from dapo_megatron.dataplane import read_batch
-    from dapo_megatron.rollout.collect import RewardScorer, groups_to_batch
-    from dapo_megatron.rollout.reward_worker import RewardWorker
+    from dapo_megatron.rollout.collection import groups_to_batch
+    from dapo_megatron.rollout.reward_worker import RewardScorer, RewardWorker
     from dapo_megatron.rollout.types import RolloutGroup
     handle, plane, _ = plane_env
     path = tmp_path / "r.py"
@@ -263,7 +266,7 @@ def test_a_groups_pixels_are_stored_once_and_read_once_per_rank(plane_env):
     empty image fields; clearing a group's data keys clears its pixels too."""
     from dapo_megatron.algo import Group
     from dapo_megatron.dataplane import read_batch
-    from dapo_megatron.rollout.collect import ScoredGroup, groups_to_batch
+    from dapo_megatron.rollout.collection import ScoredGroup, groups_to_batch
     from dapo_megatron.batch import READ_BY_LOGPROBS, read_by
     from dapo_megatron.rollout.actor import GroupStore
     from dapo_megatron.rollout.types import RolloutGroup
@@ -393,18 +396,19 @@ def _inline_batches(cfg, engine, data, reward, plane, steps):
     `train_step`, before the rollout manager): the reference the manager must reproduce."""
     from dapo_megatron.algo import DynamicSampler
     from dapo_megatron.data.sampler import PromptSampler
-    from dapo_megatron.rollout.collect import RewardScorer, Store, collect_early_stop, collect_sync, groups_to_batch
+    from dapo_megatron.rollout import collection
+    from dapo_megatron.rollout.collection import Source, Store, groups_to_batch
+    from dapo_megatron.rollout.reward_worker import RewardScorer
     from dapo_megatron.rollout.types import Sampling
     fg = cfg.algorithm.filter_groups
     prompts = PromptSampler(len(data), shuffle=cfg.data.shuffle, seed=cfg.data.seed)
     sampler = DynamicSampler(cfg.data.train_batch_size, fg.max_num_gen_batches, fg.on_exhausted, fg.enable)
     scorer, out = RewardScorer(reward, fg.metric), []
+    strategy = collection.build(cfg, Source(engine, data, prompts, sampler, scorer, cfg.data.gen_batch_size))
     for step in steps:
         sampling = Sampling.from_config(cfg.rollout, cfg.data.max_response_length, seed=cfg.rollout.seed + step - 1)
         store = Store(f"step{step}-{step}", plane)
-        args = (engine, data, prompts, sampler, scorer, sampling, cfg.data.gen_batch_size, store)
-        collected = (collect_early_stop(*args, max_concurrent_per_engine=cfg.rollout.max_concurrent_per_engine)
-                     if fg.mode == "early_stop" else collect_sync(*args))
+        collected = strategy.collect(step, sampling, store)
         out.append((groups_to_batch(collected.groups, store.partition),
                     {**collected.metrics, **scorer.pop_metrics(), "data/prompts_consumed": float(prompts.consumed)}))
         store.clear()

@@ -1,0 +1,219 @@
+"""Streaming early stop (algorithm.filter_groups.mode=early_stop): prompts go to the engines as
+capacity frees (least-loaded engine first), each group is scored as soon as its n responses
+finish, and once the batch is full the requests still in flight are aborted. Aborted and
+never-submitted prompts go back to the front of the prompt stream, so no prompt is skipped.
+`Stream` is the state of one such collection; asynchronous carrying (carry.py) keeps it past the
+batch."""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+
+import ray
+
+from dapo_megatron.data.dataset import PromptDataset, PromptItem
+from dapo_megatron.rollout.collection.base import Collected, Source, Store, Tokens, finish, received, tokens_of
+from dapo_megatron.rollout.health import EngineHealth
+from dapo_megatron.rollout.types import Sampling, StoredGroup
+
+
+class EarlyStop:
+    """Stream prompts to the engines until train_batch_size groups are kept, then abort the rest."""
+
+    def __init__(self, source: Source, max_concurrent_per_engine: int, poll_s: float = 0.05):
+        self.source, self.max_concurrent_per_engine, self.poll_s = source, max_concurrent_per_engine, poll_s
+
+    def collect(self, step: int, sampling: Sampling, store: Store) -> Collected:
+        run = self.stream(sampling, Tokens(store))
+        self.fill(run)
+        returned, run.tokens.aborted = run.abort_all()
+        return self.end(run, returned)
+
+    def in_flight(self) -> list[PromptItem]:
+        return []
+
+    def stream(self, sampling: Sampling, tokens: Tokens) -> "Stream":
+        s = self.source
+        return Stream(s.engines, s.dataset, sampling, self.max_concurrent_per_engine, tokens, s.health)
+
+    def fill(self, run: "Stream", oldest_version: int | None = None, batches_after: int = 0) -> None:
+        """Submit and score until the batch is full or the round budget is spent; groups older than
+        `oldest_version` are dropped, and up to `batches_after` more batches' groups may be in
+        flight beside this one's (asynchronous carrying)."""
+        s = self.source
+        while not s.sampler.is_full:
+            if not run.queued and not s.sampler.exhausted:
+                run.queued.extend(s.dataset[i] for i in s.prompts.next(s.gen_batch_size))
+                s.sampler.start_round()
+            # No more in flight than the batch still needs at the keep rate seen so far: the rest
+            # would mostly be aborted (waste) when the batch fills.
+            run.submit_ready(s.sampler.groups_to_fill(batches_after))
+            if not run.in_flight:
+                break  # round budget spent and everything came back: train on what was kept
+            self.score(run, run.poll(timeout=self.poll_s), oldest_version)
+
+    def score(self, run: "Stream", finished: list, oldest_version: int | None) -> None:
+        """Finished groups into the sampler, those older than `oldest_version` dropped first."""
+        if oldest_version is not None and finished:
+            finished, stale = run.drop_stale(finished, oldest_version)
+            self.source.prompts.push_back([it.index for it in stale])
+        if finished:
+            items, groups = zip(*finished)
+            run.tokens.add(self.source.sampler, self.source.score(items, groups))
+
+    def end(self, run: "Stream", returned: list[PromptItem]) -> Collected:
+        """Aborted prompts back to the stream first, then the never-submitted ones, in their
+        original order; the batch taken."""
+        self.source.prompts.push_back([it.index for it in returned] + [it.index for it in run.queued])
+        run.queued.clear()
+        result = finish(self.source.sampler, run.tokens)
+        result.metrics["sampling/aborted_groups"] = float(len(returned))
+        return result
+
+
+class Stream:
+    """The state of one streaming collection: what is queued, in flight, and where. With
+    `health`, an engine that dies (or finishes nothing for rollout.engine_timeout_s while it has
+    requests) is reported and its in-flight prompts go back to the front of the queue."""
+
+    def __init__(self, engines: list, dataset: PromptDataset, sampling: Sampling, max_concurrent_per_engine: int,
+                 tokens: Tokens, health: EngineHealth | None = None):
+        self.engines, self.dataset, self.sampling, self.tokens = engines, dataset, sampling, tokens
+        self.health = health
+        # Capacity in groups: an engine runs n requests per prompt.
+        self.capacity = max(1, max_concurrent_per_engine // sampling.n)
+        self.queued: deque[PromptItem] = deque()
+        self.in_flight: dict[str, tuple[int, PromptItem]] = {}  # request id -> (engine, item)
+        self.load = [0] * len(engines)
+        self.progress = [time.monotonic()] * len(engines)  # an engine's last finished group (or first request)
+        self.ids = itertools.count()
+
+    def _alive(self) -> list[int]:
+        return [e for e in range(len(self.engines)) if self.health is None or self.health.alive(e)]
+
+    def submit_ready(self, limit: float) -> None:
+        """Submit queued prompts while an engine has capacity and fewer than `limit` are in flight
+        (again, elsewhere, when an engine died as they reached it)."""
+        while True:
+            if self.queued and not self._alive():
+                self.health.wait_alive()  # the driver is starting a replacement
+            calls: dict[int, list] = {}
+            while self.queued and len(self.in_flight) < limit:
+                e = min(self._alive(), key=self.load.__getitem__)  # least-loaded engine first
+                if self.load[e] >= self.capacity:
+                    break
+                item = self.queued.popleft()
+                rid = f"g{next(self.ids)}-p{item.index}"
+                self.in_flight[rid] = (e, item)
+                if not self.load[e]:
+                    self.progress[e] = time.monotonic()
+                self.load[e] += 1
+                calls.setdefault(e, []).append(self.engines[e].submit.remote(
+                    rid, item.prompt, self.sampling, index=item.index, partition=self.tokens.store.partition))
+            if len(self._answers(calls)) == len(calls):
+                return
+
+    def poll(self, timeout: float, only: set[str] | None = None) -> list[tuple[PromptItem, StoredGroup]]:
+        """Finished groups; `only`: just these request ids (the others stay in their engines)."""
+        self.tokens.store.between()
+        done, asked = [], time.monotonic()
+        if only is None:
+            calls = {e: self.engines[e].poll.remote(timeout=timeout) for e in self._alive() if self.load[e]}
+        else:
+            calls = {e: self.engines[e].poll.remote(timeout=timeout, only=rids) for e, rids in self._by_engine(only).items()}
+        busy = list(calls)
+        answers = self._answers(calls, wait_s=timeout)
+        for e, results in answers.items():
+            self.tokens.driver_bytes += received(results)
+            if results:
+                self.progress[e] = time.monotonic()
+            for group in results:
+                _, item = self.in_flight.pop(group.request_id)
+                self.load[e] -= 1
+                done.append((item, group))
+        # An answer tells what had finished when the poll was asked (a hung peer may have kept
+        # this loop waiting since), so an engine's silence is measured up to then.
+        # (Not while a batch waits for its stragglers: the others finish unpolled, so silence
+        # there is no sign of a hang; a dead engine is still seen.)
+        limit = self.health.timeout_s if self.health is not None and only is None else 0.0
+        for e in busy:
+            if limit and self.health.alive(e) and self.load[e] and asked - self.progress[e] > limit:
+                self.health.hung(e, asked - self.progress[e], self._requeue(e))
+        return done
+
+    def _answers(self, refs: dict, wait_s: float = 0.0) -> dict:
+        """engine -> the answer of its call(s); an engine that died (or did not answer within
+        rollout.engine_timeout_s past `wait_s`) is reported and left out. Without health: ray.get."""
+        flat = [r for v in refs.values() for r in (v if isinstance(v, list) else [v])]
+        if self.health is None:
+            answers = iter(ray.get(flat))
+            return {e: [next(answers) for _ in v] if isinstance(v, list) else next(answers) for e, v in refs.items()}
+        limit = self.health.timeout_s
+        ray.wait(flat, num_returns=len(flat), timeout=wait_s + limit if limit else None)
+        out = {}
+        for e, ref in refs.items():
+            try:
+                out[e] = ray.get(ref, timeout=0)
+            except ray.exceptions.RayActorError as exc:
+                self.health.report(e, exc, self._requeue(e))
+            except ray.exceptions.GetTimeoutError:
+                self.health.hung(e, limit, self._requeue(e))
+        return out
+
+    def _requeue(self, engine: int) -> int:
+        """A dead engine's in-flight prompts back to the front of the queue; returns how many."""
+        lost = [(rid, item) for rid, (e, item) in self.in_flight.items() if e == engine]
+        for rid, _ in lost:
+            del self.in_flight[rid]
+        self.queued.extendleft(reversed([item for _, item in lost]))
+        self.load[engine] = 0
+        return len(lost)
+
+    def _by_engine(self, rids: set[str] | None = None) -> dict[int, list[str]]:
+        """engine -> its request ids in flight (among `rids`; None: all)."""
+        out: dict[int, list[str]] = {}
+        for rid, (e, _) in self.in_flight.items():
+            if rids is None or rid in rids:
+                out.setdefault(e, []).append(rid)
+        return out
+
+    def take_over(self, sampling: Sampling, tokens: Tokens) -> "Stream":
+        """The next collection goes on with this one's groups in flight: the engines store them in
+        its partition once finished (each stores what it returns from a poll, and none is running)."""
+        self.sampling, self.tokens = sampling, tokens
+        self._answers({e: self.engines[e].carry.remote(rids, tokens.store.partition)
+                       for e, rids in self._by_engine().items()})
+        return self
+
+    def older_than(self, version: int) -> set[str]:
+        """The groups in flight (or finished, not yet polled) with a token older than `version`."""
+        answers = self._answers({e: self.engines[e].oldest_versions.remote(rids) for e, rids in self._by_engine().items()})
+        return {rid for versions in answers.values() for rid, v in versions.items() if v < version}
+
+    def drop_stale(self, finished: list, oldest_version: int) -> tuple[list, list[PromptItem]]:
+        """Groups with a token older than `oldest_version` (carried across more pushes than
+        trainer.max_staleness allows) are dropped, as verl's max_off_policy_strategy=drop: their
+        rows cleared, their prompts returned to the stream."""
+        keep, stale = [], []
+        for item, group in finished:
+            if group.oldest_version < oldest_version:
+                stale.append(item)
+                self.tokens.stale += tokens_of([group])
+                self.tokens.stale_groups += 1
+                self.tokens.store.clear(group.data_keys)
+            else:
+                keep.append((item, group))
+        return keep, stale
+
+    def abort_all(self) -> tuple[list[PromptItem], int]:
+        """Abort what is in flight, wait for the aborted groups; returns their prompts and tokens."""
+        self._answers({e: self.engines[e].abort.remote(rids) for e, rids in self._by_engine().items()})
+        returned, tokens = [], 0
+        while self.in_flight:
+            for item, group in self.poll(timeout=0.5):
+                returned.append(item)
+                tokens += tokens_of([group])
+                # one that finished before its abort arrived was stored: nobody trains on it
+                self.tokens.store.clear(group.data_keys)
+        return returned, tokens
