@@ -20,7 +20,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from dapo_megatron import dataplane
 from dapo_megatron.config import ConfigError, DapoConfig, num_engines, role_devices
 from dapo_megatron.device import get_device
-from dapo_megatron.driver.workers import TrainGroup, TrainWorker
+from dapo_megatron.driver.workers import TrainGroup
+from dapo_megatron.train.worker import TrainWorker
 from dapo_megatron.logs import log_file
 from dapo_megatron.models import ModelSpec
 
