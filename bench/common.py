@@ -32,10 +32,11 @@ class RunResult:
         return read_metrics(self.out_dir)
 
 
-def main_argv(config_name: str, overrides: Iterable[str], out_dir: str) -> list[str]:
-    """The command line of a run of `config_name` into `out_dir`, with this venv's python."""
-    return [sys.executable, "-m", "dapo_megatron.main", "--config-name", config_name, *overrides,
-            f"trainer.default_local_dir={out_dir}"]
+def main_argv(config_name: str, overrides: Iterable[str], out_dir: str, entry: Optional[str] = None) -> list[str]:
+    """The command line of a run of `config_name` into `out_dir`, with this venv's python;
+    `entry`: a script that runs main with the same arguments (tests/faults.py)."""
+    return [sys.executable, *([entry] if entry else ["-m", "dapo_megatron.main"]), "--config-name", config_name,
+            *overrides, f"trainer.default_local_dir={out_dir}"]
 
 
 def main_env(tree: Optional[str] = None, env: Optional[dict] = None) -> dict:
@@ -50,14 +51,14 @@ def main_env(tree: Optional[str] = None, env: Optional[dict] = None) -> dict:
 
 def run_main(config_name: str, overrides: Iterable[str], *, out_dir: str, tree: Optional[str] = None,
              env: Optional[dict] = None, timeout: Optional[float] = None, log: Optional[str] = None,
-             on_start: Optional[Callable[[subprocess.Popen], None]] = None) -> RunResult:
+             on_start: Optional[Callable[[subprocess.Popen], None]] = None, entry: Optional[str] = None) -> RunResult:
     """Run `python -m dapo_megatron.main --config-name config_name *overrides` into `out_dir` to
     its end; SystemExit with the end of its output if it fails or outlives `timeout` s.
     `tree`: run that checkout (its directory, its package: `main_env`). `log`: its stdout and
     stderr go to that file (else stdout is dropped and stderr kept for the error).
     `on_start(proc)` runs once it started, before the wait: it may start a sampler of the
-    process tree (a thread), or poll the process itself until it exits."""
-    argv = main_argv(config_name, overrides, out_dir)
+    process tree (a thread), or poll the process itself until it exits. `entry`: `main_argv`'s."""
+    argv = main_argv(config_name, overrides, out_dir, entry)
     sink = open(log, "w") if log else None
     t0 = time.perf_counter()
     try:

@@ -4,7 +4,7 @@
 
 Two runs of the quickstart as a user starts it (`python -m dapo_megatron.main`, no validation):
   engine: rollout.max_engine_restarts=1, the engine's process killed once it has requests of step
-          `--at`'s generation (DAPO_KILL_ENGINE_AT); the step goes on with a replacement.
+          `--at`'s generation (tests/faults.py's engine:collect); the step goes on with a replacement.
   rank:   trainer.max_restarts=1 and a checkpoint every 2 steps; training rank 0's process killed
           in step `--at`'s update (found by its process title); the run restarts itself from the
           newest checkpoint (since 2026-11-29 with new training ranks beside the roles it keeps).
@@ -35,9 +35,9 @@ def _lines(path: str) -> list[dict]:
     return [json.loads(line) for line in open(path)] if os.path.exists(path) else []
 
 
-def _run(tree: str, out: str, steps: int, overrides: list[str], env: dict, on_start=None) -> None:
+def _run(tree: str, out: str, steps: int, overrides: list[str], env: dict, on_start=None, entry=None) -> None:
     run_main("quickstart", [f"trainer.total_training_steps={steps}", *NO_EVAL, *overrides], out_dir=out, tree=tree,
-             env={"RAY_ADDRESS": "local", **env}, timeout=1800, on_start=on_start)
+             env={"RAY_ADDRESS": "local", **env}, timeout=1800, on_start=on_start, entry=entry)
 
 
 def _kill_rank_in(method: str, out: str, step: int, killed: list) -> threading.Thread:
@@ -74,7 +74,13 @@ def _summary(what: str, out: str, kill_at: float, back_at: float) -> dict:
 
 
 def _engine(tree: str, out: str, args) -> dict:
-    _run(tree, out, args.steps, ["rollout.max_engine_restarts=1"], {"DAPO_KILL_ENGINE_AT": str(args.at)})
+    # the kill is a hook tests/faults.py installs; a tree from before it read DAPO_KILL_ENGINE_AT
+    faults = os.path.join(tree or os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests", "faults.py")
+    if os.path.exists(faults):
+        _run(tree, out, args.steps, ["rollout.max_engine_restarts=1"], {"DAPO_TEST_FAULTS": f"engine:collect:{args.at}"},
+             entry=faults)
+    else:
+        _run(tree, out, args.steps, ["rollout.max_engine_restarts=1"], {"DAPO_KILL_ENGINE_AT": str(args.at)})
     (event,) = _lines(os.path.join(out, "events.jsonl"))
     died = event["time"] - event["since_death_s"]  # the manager saw the death (~ms after the kill)
     return _summary("rollout engine (replaced in the step)", out, died, event["time"])

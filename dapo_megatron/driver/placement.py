@@ -17,7 +17,7 @@ import ray
 from ray.util.placement_group import placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from dapo_megatron import dataplane
+from dapo_megatron import dataplane, hooks
 from dapo_megatron.config import ConfigError, DapoConfig, num_engines, role_devices
 from dapo_megatron.device import get_device
 from dapo_megatron.driver.workers import TrainGroup
@@ -83,11 +83,13 @@ def init_ray(cfg: DapoConfig) -> None:
         return
     get_device(cfg.trainer.device).apply_host_env()  # the driver, and a local Ray's processes
     address = cluster_address()
+    # a test's hooks for the roles' processes (dapo_megatron/hooks.py); none in a user's run
+    runtime_env = {"worker_process_setup_hook": hooks.worker_setup} if hooks.worker_setup else None
     if address:
         if not os.environ.get("RAY_ADDRESS"):
             print(f"ray: joining the cluster at {address} that `ray start` runs on this machine "
                   f"(RAY_ADDRESS=local: a Ray of this run's own)", flush=True)
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
     else:
         # The data plane's controller and storage units ask a CPU each and mostly wait on ZMQ:
         # advertise them on top of the cores, or on a small machine they never get scheduled.
@@ -97,7 +99,7 @@ def init_ray(cfg: DapoConfig) -> None:
         # No task events: Ray's GCS kept up to 100k of them (~80 kB of memory a step here) for a
         # dashboard a local Ray does not start. A cluster's own: RAY_task_events_report_interval_ms=0.
         ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=True, logging_level=logging.WARNING,
-                 _system_config={"task_events_report_interval_ms": 0})
+                 _system_config={"task_events_report_interval_ms": 0}, runtime_env=runtime_env)
 
 
 def wait_for_devices(pg, resource: str, count: int, timeout_s: float) -> None:

@@ -20,10 +20,10 @@ from typing import Optional
 import ray
 import torch
 
-from dapo_megatron import roles
+from dapo_megatron import hooks, roles
 from dapo_megatron.algo import compute_grpo_advantages
 from dapo_megatron.config import DapoConfig
-from dapo_megatron.driver import faults, setup
+from dapo_megatron.driver import setup
 from dapo_megatron.driver.colocate import TimeShare
 from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, batch_metrics, staleness
 from dapo_megatron.driver.recovery import drop_pending, replace_lost_in_sync, replaces_in_sync, wait_manager
@@ -138,7 +138,7 @@ class Trainer:
                 with self.timed("ref"):
                     written, _ = train.step_logprobs(batch, "ref")
                 batch.fields += tuple(written)
-            with faults.injected("update", self.step + 1, self.ctx), self.timed("update"):
+            with hooks.at("driver.update", step=self.step + 1, ctx=self.ctx), self.timed("update"):
                 metrics = train.step_update(batch)
         finally:  # the step's rows, consumed (or failed); what the data plane still holds
             resident = roles.get("rollout manager", self.ctx.manager.release.remote(batch.partition))
@@ -156,7 +156,7 @@ class Trainer:
                 for request in self.pending:
                     wait_manager(self, request.ref, get=False)
         lost = [] if replaces_in_sync(self.cfg) else None  # engines that die in the sync (the rest synced)
-        with faults.injected("sync", self.step + 1, self.ctx), self.timed("sync"), self.in_sync("step"):
+        with hooks.at("driver.sync", step=self.step + 1, ctx=self.ctx), self.timed("sync"), self.in_sync("step"):
             self.syncs += 1
             metrics = sync_weights(self.ctx.train, self.ctx.engines, self.cfg.rollout.sync, lost=lost,
                                    verify=verify_due(self.cfg, self.syncs), version=self.syncs)

@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
-import signal
 import threading
 import time
 from typing import Optional
 
 import ray
 
-from dapo_megatron import dataplane
+from dapo_megatron import dataplane, hooks
 from dapo_megatron.algo import DynamicSampler
 from dapo_megatron.config import DapoConfig
 from dapo_megatron.data.dataset import PromptDataset
@@ -38,26 +36,6 @@ from dapo_megatron.rollout.collection import Collected, Source, Store, groups_to
 from dapo_megatron.rollout.health import Death, EngineHealth
 from dapo_megatron.rollout.reward_worker import RewardScorer, RewardWorker
 from dapo_megatron.rollout.types import Sampling
-
-
-# Test hook (tests/e2e, bench/fault_recovery.py): DAPO_KILL_ENGINE_AT=<step> kills engine 0's
-# process with SIGKILL once it has requests of that step's collection in flight, as an OOM kill of
-# an engine mid-generation would.
-KILL_ENGINE_AT = "DAPO_KILL_ENGINE_AT"
-
-
-def _kill_engine_during(step: int, engines: list) -> None:
-    if os.environ.get(KILL_ENGINE_AT) != str(step):
-        return
-    os.environ.pop(KILL_ENGINE_AT)  # once: the replacement lives
-    engine = engines[0]
-    pid = ray.get(engine.pid.remote())
-
-    def kill():
-        while not ray.get(engine.num_in_flight.remote()):
-            time.sleep(0.01)
-        os.kill(pid, signal.SIGKILL)
-    threading.Thread(target=kill, daemon=True).start()
 
 
 # Its own threads for the driver's long poll of dead engines and their replacement, and for the
@@ -142,9 +120,9 @@ class RolloutManager:
         store = Store(f"step{step}-{self.collections}", self.plane, between=self._release_deferred)
         sampling = self._sampling(Sampling.from_config(cfg.rollout, cfg.data.max_response_length,
                                                        seed=cfg.rollout.seed + step - 1))
-        _kill_engine_during(step, self.engines)
         try:
-            collected = as_role("rollout engine", self.collection.collect, step, sampling, store)
+            with hooks.at("manager.collect", step=step, engines=self.engines):  # a test's faults
+                collected = as_role("rollout engine", self.collection.collect, step, sampling, store)
             if self.health is not None:  # the batch goes back once every engine is replaced: the
                 self.health.wait_alive(any_of=False)  # driver's next sync reaches them all
         except BaseException:

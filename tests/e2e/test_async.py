@@ -67,8 +67,8 @@ def one_step_off(tiny_assets, tmp_path_factory):
     import ray
 
     from dapo_megatron.config import load_config
-    from dapo_megatron.driver.faults import KILL_ROLE_AT
     from dapo_megatron.driver.supervisor import run
+    from tests import faults
     out = tmp_path_factory.mktemp("one_step_off") / "run"
     overrides = _overrides(tiny_assets, out, 3, **{
         "data.gen_batch_size": BATCH,
@@ -77,12 +77,12 @@ def one_step_off(tiny_assets, tmp_path_factory):
         "trainer.max_restarts": 1,
         "model.load_checkpoint": _uniform_checkpoint(tiny_assets, tmp_path_factory.mktemp("start"))})
     cfg = load_config("quickstart_async", overrides)
-    os.environ[KILL_ROLE_AT] = "rank:update:2"  # the driver, this process, kills the rank in step 2's update
+    faults.install("rank:update:2")  # the driver, this process, kills the rank in step 2's update
     try:
         assert run(cfg) == 0
     finally:
         ray.shutdown()
-        os.environ.pop(KILL_ROLE_AT, None)
+        faults.uninstall()
     return out, [json.loads(line) for line in open(out / "metrics.jsonl")]
 
 
@@ -146,16 +146,17 @@ ASYNC_STEPS = 5
 def async_killed_then_resumed(tiny_assets, tmp_path_factory):
     """Two processes as a user runs them: killed -9 in step 3's update, then the same command.
     The first also loses its engine (kill -9) in step 1's weight sync."""
-    from dapo_megatron.driver.faults import KILL_AT, KILL_ROLE_AT
+    from tests import faults
     out = tmp_path_factory.mktemp("async") / "run"
     # actor.ppo_epochs=2: a slowed trainer, so the manager runs ahead to the bound
     overrides = _overrides(tiny_assets, out, ASYNC_STEPS, **{"data.gen_batch_size": 6, "actor.ppo_epochs": 2,
                                                              "rollout.max_engine_restarts": 1})
-    cmd = [sys.executable, "-m", "dapo_megatron.main", *doc_args("python -m dapo_megatron.main --config-name quickstart_async"),
-           *overrides]
-    env = {k: v for k, v in os.environ.items() if k not in (KILL_AT, KILL_ROLE_AT)}
+    args = [*doc_args("python -m dapo_megatron.main --config-name quickstart_async"), *overrides]
+    cmd = [sys.executable, "-m", "dapo_megatron.main", *args]
+    env = {k: v for k, v in os.environ.items() if k != faults.FAULTS_ENV}
     env["RAY_ADDRESS"] = "local"  # a Ray of each run's own
-    killed = subprocess.run(cmd, env={**env, KILL_AT: "update:3", KILL_ROLE_AT: "engine:sync:1"},
+    killed = subprocess.run([sys.executable, faults.__file__, *args],  # the same run, with the faults installed
+                            env={**env, faults.FAULTS_ENV: "driver:update:3,engine:sync:1"},
                             capture_output=True, text=True, timeout=600)
     assert killed.returncode == -9, killed.stderr[-3000:]
     rows_killed = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]

@@ -130,8 +130,7 @@ def chunked(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
     import threading
     import time
 
-    from dapo_megatron.driver.faults import KILL_ROLE_AT
-    from dapo_megatron.rollout.manager import KILL_ENGINE_AT
+    from tests import faults
     out = tmp_path_factory.mktemp("chunked") / "run"
 
     def term_after_two_steps():
@@ -143,16 +142,16 @@ def chunked(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
     cfg = _cfg(tiny_assets, out, 50, **long_prompts, **{"rollout.max_num_batched_tokens": 256, "trainer.save_freq": 100,
                                                        "rollout.max_engine_restarts": 2})
     previous = signal.getsignal(signal.SIGTERM)
-    # the local Ray's processes inherit the first (the manager kills in generation); the driver, this
-    # process, reads the second (a scan for the engine's `load_weights` title missed step 1's
-    # millisecond buckets and killed the replacement's sync instead)
-    os.environ.update({KILL_ENGINE_AT: "2", KILL_ROLE_AT: "engine:sync:1"})
+    # the first reaches the rollout manager's process (through the local Ray's worker setup hook:
+    # it kills in generation); the driver, this process, acts on the second (a scan for the
+    # engine's `load_weights` title missed step 1's millisecond buckets and killed the
+    # replacement's sync instead)
+    faults.install("engine:collect:2", "engine:sync:1")
     try:
         assert _run_here(cfg) == 0
     finally:
         signal.signal(signal.SIGTERM, previous)
-        os.environ.pop(KILL_ENGINE_AT, None)
-        os.environ.pop(KILL_ROLE_AT, None)
+        faults.uninstall()
     return Finished(out, _rows(out))
 
 
@@ -455,9 +454,10 @@ class _Cluster:
         return "".join(p.read_text(errors="replace")
                        for p in Path(self.tmp).glob(f"ray/session_*/logs/job-driver-{job_id}.log"))
 
-    def submit(self, overrides, job_id: str) -> subprocess.CompletedProcess:
-        """`ray job submit` of the run, its output followed to its end."""
-        job = self._ray("job", "submit", self.address, f"--submission-id={job_id}", "--", *MAIN, *overrides,
+    def submit(self, overrides, job_id: str, main=MAIN) -> subprocess.CompletedProcess:
+        """`ray job submit` of the run (`main`: its command before the overrides), its output
+        followed to its end."""
+        job = self._ray("job", "submit", self.address, f"--submission-id={job_id}", "--", *main, *overrides,
                         timeout=900, check=False)
         # The CLI follows the job's log over a websocket, which Ray once closed while the job still
         # ran (code 1000, status RUNNING, a slow hour): then wait for the job's end and read its log.
@@ -541,11 +541,10 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
     (A driver killed -9 and resumed by hand: test_async.)"""
     import ray
 
-    from dapo_megatron.driver.faults import KILL_ROLE_AT
+    from tests import faults
     from dapo_megatron.driver.placement import cluster_address
     from dapo_megatron.driver.recovery import KEPT
     from dapo_megatron.main import main
-    from dapo_megatron.rollout.manager import KILL_ENGINE_AT
     out = tp2_killed.out
     early_stop = {"algorithm.filter_groups.mode": "early_stop", "trainer.test_freq": 0, "trainer.max_restarts": 2,
                   "rollout.max_engine_restarts": 1, "trainer.placement_timeout_s": 300}
@@ -570,9 +569,10 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
         lost["waited"] = time.monotonic() - lost_at
         cluster.add_node()  # the node comes back (or another takes its place)
 
-    # the nodes' processes, the job's driver among them, inherit these: the engine killed in step 2's
-    # generation, training rank 0 in step 3's weight push
-    cluster = _Cluster({**os.environ, KILL_ENGINE_AT: "2", KILL_ROLE_AT: "rank:sync:3"})
+    # the nodes' processes, the job's driver among them (tests/faults.py), inherit these: the engine
+    # killed in step 2's generation, training rank 0 in step 3's weight push
+    cluster = _Cluster({**os.environ, faults.FAULTS_ENV: "engine:collect:2,rank:sync:3",
+                        "PYTHONPATH": os.pathsep.join(p for p in (faults.HERE, os.environ.get("PYTHONPATH")) if p)})
     try:
         # A driver started by hand on this head (no RAY_ADDRESS) joins it, as `ray job submit`'s does.
         with pytest.MonkeyPatch.context() as mp:
@@ -583,7 +583,7 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
             assert cluster_address() is None
         with _kill_first("ray::TrainWorker.step_update", after=lambda: restarted_and_logged(3),
                          kill=lose_node) as node_lost:
-            job = cluster.submit(overrides, job_id)
+            job = cluster.submit(overrides, job_id, main=[sys.executable, faults.__file__, *MAIN[3:]])
     finally:
         cluster.stop()
     logs = job.stdout + job.stderr
