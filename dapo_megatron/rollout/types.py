@@ -2,6 +2,7 @@
 schedulers can import it without loading vLLM."""
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -38,6 +39,14 @@ class Sampling:
         v = cfg.val_kwargs
         return cls(n=v.n, temperature=v.temperature, top_p=v.top_p, top_k=v.top_k,
                    max_tokens=max_tokens, seed=seed)
+
+    def child_seed(self, prompt: list[int], i: int) -> Optional[int]:
+        """Seed of response i of `prompt`: reproducible, and different across prompts. With plain
+        seed + i every prompt drew the same random numbers, and a near-uniform policy then gave
+        nearly the same tokens for all prompts of a batch."""
+        if self.seed is None:
+            return None
+        return zlib.crc32(f"{self.seed}:{i}:".encode() + bytes(str(prompt), "ascii")) & 0x7FFFFFFF
 
 
 @dataclass
