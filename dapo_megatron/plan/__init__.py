@@ -131,6 +131,41 @@ def device_bytes(cfg, override_gb: float = 0.0) -> tuple[float | None, bool]:
     return (device.total_memory_bytes() if detect() == kind else None), device.flash_attention
 
 
+def _activations(cfg, spec, flash: bool) -> tuple[dict, float, int]:
+    """The update's activation terms on the worst stage, the log-prob pass's forward, and the
+    tokens of a micro-batch."""
+    a, p = cfg.actor, cfg.actor.parallel
+    s = shape_of(spec, p, dtype_bytes=DTYPE_BYTES[cfg.model.dtype])
+    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
+    tokens = max(a.max_tokens_per_microbatch, seq)  # a longer sequence gets a micro-batch of its own
+    layers = spec.num_layers // p.pp
+    # The first stage keeps pp micro-batches in flight under 1F1B, the last one its logits.
+    first = training_bytes(s, layers=layers, in_flight=p.pp, tokens=tokens, seq_len=seq, flash=flash,
+                           recompute=a.recompute_granularity, last_stage=p.pp == 1, entropy_grad=a.entropy_coeff != 0)
+    last = training_bytes(s, layers=layers, in_flight=1, tokens=tokens, seq_len=seq, flash=flash,
+                          recompute=a.recompute_granularity, last_stage=True, entropy_grad=a.entropy_coeff != 0)
+    forward = (layer_bytes_per_token(s, seq, flash=flash, recompute="") * tokens
+               + logits_bytes(s, tokens, backward=False, entropy_grad=False))
+    return max(first, last, key=lambda t: sum(t.values())), forward, tokens
+
+
+def _host_notes(cfg, spec, cpu_optimizer: float, actor_devices: int) -> list[str]:
+    """What the plan says beside the device terms: the CPU optimizer's host memory (its
+    `cpu_optimizer` bytes of device-side state), the vision tower's activations not counted."""
+    notes = []
+    if cpu_optimizer:
+        host = cpu_optimizer * HOST_PER_OPTIMIZER_BYTE
+        on_host = cfg.actor.optim.cpu_offload_fraction
+        notes.append(f"the CPU optimizer holds {host / GiB:.1f} GiB per actor rank in host memory "
+                     f"({host * min(actor_devices, cfg.trainer.n_gpus_per_node) / GiB:.0f} GiB per node): "
+                     f"{on_host:.0%} of its fp32 masters and Adam's moments, with a 16-bit copy and an fp32 "
+                     "gradient of each parameter it steps")
+    if spec.vision_config:
+        notes.append("the vision tower's parameters are counted; its activations are not (images are few "
+                     "hundred tokens beside thousands of text tokens)")
+    return notes
+
+
 def make_plan(cfg, spec, memory: float | None, *, flash: bool = True) -> Plan:
     """The plan of `cfg` (a validated DapoConfig) for `spec`, on devices of `memory` bytes."""
     a, r = cfg.actor, cfg.rollout
@@ -139,19 +174,8 @@ def make_plan(cfg, spec, memory: float | None, *, flash: bool = True) -> Plan:
     lay = Layout.of(p, devices["actor"])
     state, stage = worst_rank_state(spec, lay, dtype=cfg.model.dtype,
                                     distributed_optimizer=a.optim.use_distributed_optimizer)
-    s = shape_of(spec, p, dtype_bytes=DTYPE_BYTES[cfg.model.dtype])
-    seq = cfg.data.max_prompt_length + cfg.data.max_response_length
-    tokens = max(a.max_tokens_per_microbatch, seq)  # a longer sequence gets a micro-batch of its own
-    layers = spec.num_layers // p.pp
+    train, forward, tokens = _activations(cfg, spec, flash)
     recompute = a.recompute_granularity
-    # The first stage keeps pp micro-batches in flight under 1F1B, the last one its logits.
-    first = training_bytes(s, layers=layers, in_flight=p.pp, tokens=tokens, seq_len=seq, flash=flash,
-                           recompute=recompute, last_stage=p.pp == 1, entropy_grad=a.entropy_coeff != 0)
-    last = training_bytes(s, layers=layers, in_flight=1, tokens=tokens, seq_len=seq, flash=flash,
-                          recompute=recompute, last_stage=True, entropy_grad=a.entropy_coeff != 0)
-    train = max(first, last, key=lambda t: sum(t.values()))
-    forward = (layer_bytes_per_token(s, seq, flash=flash, recompute="") * tokens
-               + logits_bytes(s, tokens, backward=False, entropy_grad=False))
     ref = (reference_params(spec, Layout.of(cfg.ref.parallel, devices["ref"]), dtype=cfg.model.dtype)
            if a.use_kl_loss else 0)
     engine, notes = _engine(cfg, spec, memory)
@@ -195,15 +219,7 @@ def make_plan(cfg, spec, memory: float | None, *, flash: bool = True) -> Plan:
     else:
         notes.append(f"engine devices ({devices['rollout']}): the engine's share "
                      f"{share / GiB:.1f} GiB + runtime of {RUNTIME_BYTES / GiB:.1f} GiB each")
-    if on_host:
-        host = state.optimizer * on_host * HOST_PER_OPTIMIZER_BYTE
-        notes.append(f"the CPU optimizer holds {host / GiB:.1f} GiB per actor rank in host memory "
-                     f"({host * min(devices['actor'], cfg.trainer.n_gpus_per_node) / GiB:.0f} GiB per node): "
-                     f"{on_host:.0%} of its fp32 masters and Adam's moments, with a 16-bit copy and an fp32 "
-                     "gradient of each parameter it steps")
-    if spec.vision_config:
-        notes.append("the vision tower's parameters are counted; its activations are not (images are few "
-                     "hundred tokens beside thousands of text tokens)")
+    notes += _host_notes(cfg, spec, state.optimizer * on_host, devices["actor"])
     dp, edp = lay.dp, lay.edp
     title = (f"{spec.model_type}: actor TP{p.tp} PP{p.pp} EP{p.ep} ETP{p.etp} on {lay.world} devices (DP {dp}, "
              f"expert-DP {edp}), {cfg.model.dtype}, {cfg.trainer.placement}; micro-batch {tokens} tokens, "
