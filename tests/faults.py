@@ -53,14 +53,25 @@ def install(*faults: str) -> None:
             hooks.install(f"driver.{phase}", _kill_role(role, phase, step))
     if workers:
         os.environ[FAULTS_ENV] = ",".join(workers)
-        path = os.environ.get("PYTHONPATH", "")
+        path = os.environ.get("PYTHONPATH")
+        _saved.setdefault("PYTHONPATH", path)
         os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (HERE, path) if p)
         hooks.worker_setup = "faults.worker_setup"
 
 
+_saved: dict = {}  # the environment install() changed, as it was
+
+
 def uninstall() -> None:
+    """This process as before `install`: no hooks, its environment back."""
     hooks.clear()
     os.environ.pop(FAULTS_ENV, None)
+    for key, value in _saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _saved.clear()
 
 
 def worker_setup() -> None:

@@ -149,13 +149,15 @@ def _activations(cfg, spec, flash: bool) -> tuple[dict, float, int]:
     return max(first, last, key=lambda t: sum(t.values())), forward, tokens
 
 
-def _host_notes(cfg, spec, cpu_optimizer: float, actor_devices: int) -> list[str]:
-    """What the plan says beside the device terms: the CPU optimizer's host memory (its
-    `cpu_optimizer` bytes of device-side state), the vision tower's activations not counted."""
+def _host_notes(cfg, spec, optimizer: float, actor_devices: int) -> list[str]:
+    """What the plan says beside the device terms: the host memory of Megatron's CPU optimizer
+    (`optimizer`: a rank's optimizer bytes, the share it steps on the host), the vision tower's
+    activations not counted."""
     notes = []
-    if cpu_optimizer:
-        host = cpu_optimizer * HOST_PER_OPTIMIZER_BYTE
-        on_host = cfg.actor.optim.cpu_offload_fraction
+    optim = cfg.actor.optim
+    if optim.cpu_offload:
+        on_host = optim.cpu_offload_fraction
+        host = optimizer * on_host * HOST_PER_OPTIMIZER_BYTE
         notes.append(f"the CPU optimizer holds {host / GiB:.1f} GiB per actor rank in host memory "
                      f"({host * min(actor_devices, cfg.trainer.n_gpus_per_node) / GiB:.0f} GiB per node): "
                      f"{on_host:.0%} of its fp32 masters and Adam's moments, with a 16-bit copy and an fp32 "
@@ -219,7 +221,7 @@ def make_plan(cfg, spec, memory: float | None, *, flash: bool = True) -> Plan:
     else:
         notes.append(f"engine devices ({devices['rollout']}): the engine's share "
                      f"{share / GiB:.1f} GiB + runtime of {RUNTIME_BYTES / GiB:.1f} GiB each")
-    notes += _host_notes(cfg, spec, state.optimizer * on_host, devices["actor"])
+    notes += _host_notes(cfg, spec, state.optimizer, devices["actor"])
     dp, edp = lay.dp, lay.edp
     title = (f"{spec.model_type}: actor TP{p.tp} PP{p.pp} EP{p.ep} ETP{p.etp} on {lay.world} devices (DP {dp}, "
              f"expert-DP {edp}), {cfg.model.dtype}, {cfg.trainer.placement}; micro-batch {tokens} tokens, "

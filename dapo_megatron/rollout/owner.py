@@ -64,7 +64,7 @@ class OwnerThread:
                 return get(1.0)
             except (TimeoutError, queue.Empty):
                 if not self._thread.is_alive():
-                    raise RuntimeError(f"the vLLM engine loop stopped: {self.error!r}") from self.error
+                    raise RuntimeError(f"the {self._thread.name} thread stopped: {self.error!r}") from self.error
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"engine call did not finish in {timeout} s")
 

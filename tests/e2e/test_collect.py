@@ -267,7 +267,7 @@ def test_a_batch_waits_for_the_stragglers_the_next_would_drop(env):
 
     v = 100  # the module's engine has had pushes of other tests
     push(v)
-    stragglers = Stream([engine], dataset, long, 16 * N, Tokens(Store("wait1", plane)))
+    stragglers = Stream([engine], long, 16 * N, Tokens(Store("wait1", plane)))
     stragglers.queued.extend(dataset[i] for i in prompts.next(2))
     stragglers.submit_ready(2)
     carried = set(stragglers.in_flight)

@@ -53,6 +53,9 @@ def test_faults_go_where_they_act():
     assert len(hooks._installed["manager.collect"]) == 1
     with pytest.raises(ValueError, match=r"no fault 'engine:update:1'"):
         faults.install("engine:update:1")
+    faults.uninstall()  # the process as before: a later run in it starts no faults
+    assert (os.environ["PYTHONPATH"], hooks.worker_setup, hooks._installed) == ("", None, {})
+    assert faults.FAULTS_ENV not in os.environ
 
 
 def test_a_fault_fires_once_at_its_step(monkeypatch):

@@ -12,7 +12,7 @@ from collections import deque
 
 import ray
 
-from dapo_megatron.data.dataset import PromptDataset, PromptItem
+from dapo_megatron.data.dataset import PromptItem
 from dapo_megatron.rollout.collection.base import Collected, Source, Store, Tokens, finish, received, tokens_of
 from dapo_megatron.rollout.health import EngineHealth
 from dapo_megatron.rollout.types import Sampling, StoredGroup
@@ -35,7 +35,7 @@ class EarlyStop:
 
     def stream(self, sampling: Sampling, tokens: Tokens) -> "Stream":
         s = self.source
-        return Stream(s.engines, s.dataset, sampling, self.max_concurrent_per_engine, tokens, s.health)
+        return Stream(s.engines, sampling, self.max_concurrent_per_engine, tokens, s.health)
 
     def fill(self, run: "Stream", oldest_version: int | None = None, batches_after: int = 0) -> None:
         """Submit and score until the batch is full or the round budget is spent; groups older than
@@ -77,9 +77,9 @@ class Stream:
     `health`, an engine that dies (or finishes nothing for rollout.engine_timeout_s while it has
     requests) is reported and its in-flight prompts go back to the front of the queue."""
 
-    def __init__(self, engines: list, dataset: PromptDataset, sampling: Sampling, max_concurrent_per_engine: int,
+    def __init__(self, engines: list, sampling: Sampling, max_concurrent_per_engine: int,
                  tokens: Tokens, health: EngineHealth | None = None):
-        self.engines, self.dataset, self.sampling, self.tokens = engines, dataset, sampling, tokens
+        self.engines, self.sampling, self.tokens = engines, sampling, tokens
         self.health = health
         # Capacity in groups: an engine runs n requests per prompt.
         self.capacity = max(1, max_concurrent_per_engine // sampling.n)
