@@ -10,7 +10,7 @@ The parameters stay on the device through the sync because the TP / EP gathers o
 there; the engines' KV cache comes back only after they left, so the two never overlap. Each
 move is one phase of the loop (`Run.timed`): timing/<phase> and a line of phases.jsonl.
 
-A run's first moments take the same turns (driver/trainer.Trainer.start):
+A run's first moments take the same turns (driver/moments.Moments.start):
 
     engines created (their share) -> engines sleep -> actor builds its whole state (HF weights or
     model.load_checkpoint) -> [actor offloads grads -> resume loads a checkpoint] -> actor offloads

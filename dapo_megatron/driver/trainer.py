@@ -5,19 +5,17 @@ A step: take a batch -> advantages -> log-probs -> update -> sync -> log / save.
 manager (rollout/manager.py) produces each batch (generation, reward, dynamic sampling); the
 trainer holds the config, counters and each step's metadata (keys, lengths, scores, advantages:
 `StepBatch`) and passes handles: the tokens go from the engines into the data plane, and the
-training ranks read their share there. Start, resume, sync and the end take turns with the
-engines for the device (driver/colocate.py).
+training ranks read their share there. Start, resume, save and the end are the run's moments
+(driver/moments.py); they and the sync take turns with the engines for the device (driver/colocate.py).
 """
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional
 
-import ray
 import torch
 
 from dapo_megatron import hooks, roles
@@ -26,11 +24,9 @@ from dapo_megatron.config import DapoConfig
 from dapo_megatron.driver import setup
 from dapo_megatron.driver.colocate import TimeShare
 from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, batch_metrics, staleness
-from dapo_megatron.driver.recovery import drop_pending, replace_lost_in_sync, replaces_in_sync, wait_manager
+from dapo_megatron.driver.moments import Moments
+from dapo_megatron.driver.recovery import replace_lost_in_sync, replaces_in_sync, wait_manager
 from dapo_megatron.driver.weight_sync import sync_weights, verify_due
-from dapo_megatron.roles import as_role
-from dapo_megatron.train.checkpoint import resolve_resume
-from dapo_megatron.weights.hf_io import CheckpointError
 
 MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group before giving up
 
@@ -43,7 +39,7 @@ class Request:
 
 
 @dataclass
-class Trainer:
+class Trainer(Moments):
     cfg: DapoConfig
     ctx: setup.Context  # the roles' handles (manager, ranks, engines), checkpoints, output dir
     logger: MetricsLogger
@@ -186,69 +182,3 @@ class Trainer:
         """The rollout manager's validation (rollout.val_kwargs): val/acc overall and per source; an
         engine that dies meanwhile is replaced (rollout.max_engine_restarts), as in a collection."""
         return wait_manager(self, self.ctx.manager.evaluate.remote(self.step))
-
-    def start(self) -> None:
-        """The attempt's first moments, in the turns a step takes with the device: the engines
-        sleep, the ranks build (HF weights or model.load_checkpoint), a resume loads its
-        checkpoint, the actor offloads around the sync that puts the loaded weights into the
-        engines (also when sleeping at level 2 dropped theirs), and the engines wake."""
-        self.share.before_build(self)
-        with self.timed("build"):
-            as_role("actor", self.ctx.train.setup, self.ctx.total_steps)
-        resumed = self.resume()
-        loaded = resumed or ("start" if self.cfg.model.load_checkpoint or self.share.drops_weights else None)
-        self.share.start(self, (lambda: self._sync_loaded(loaded)) if loaded else None, resumed=bool(resumed))
-
-    def resume(self) -> Optional[str]:
-        """trainer.resume_mode: auto (latest checkpoint if any), disable, or a step folder. Returns
-        "resume" when a checkpoint was loaded (new engines hold the HF weights, kept ones later
-        ones: `start` syncs the checkpoint's in), else None."""
-        path = resolve_resume(self.cfg.trainer.resume_mode, os.path.join(self.ctx.out_dir, "checkpoints"))
-        if path is None:
-            return None
-        self.share.before_resume(self)
-        try:
-            with self.timed("resume"):
-                state = as_role("actor", self.ctx.train.load, path)
-        except CheckpointError as exc:  # raised in a training rank; Ray wraps it with its traceback
-            raise CheckpointError(str(getattr(exc, "cause", None) or exc)) from None
-        self.step, self.syncs, self.checkpoint = state["step"], state["syncs"], path
-        roles.get("rollout manager", self.ctx.manager.load_state_dict.remote(state))
-        moved = self.logger.rewind(self.step)
-        later = f"; the metrics of {moved} later steps (their weights were not saved) moved to " \
-                f"metrics.discarded.jsonl" if moved else ""
-        print(f"resumed from {path} at step {self.step}{later}", flush=True)
-        return "resume"
-
-    def _sync_loaded(self, what: str) -> None:
-        """The weights the ranks loaded (`what`: start or resume) into every engine, checksummed when
-        rollout.sync.verify_every is on; the engines record the run's push count as their version."""
-        with self.timed("sync", [what]), self.in_sync(what):
-            sync_weights(self.ctx.train, self.ctx.engines, self.cfg.rollout.sync,
-                         verify=self.cfg.rollout.sync.verify_every > 0, version=self.syncs)
-
-    def state_dict(self) -> dict:
-        """Counters, and the manager's prompt position and sampler state: a resume continues the stream."""
-        before = self.pending[0].step if self.pending else None  # untrained batches' prompts go back
-        return {"step": self.step, "syncs": self.syncs,
-                **roles.get("rollout manager", self.ctx.manager.state_dict.remote(before))}
-
-    def save(self) -> None:
-        path = as_role("actor", self.ctx.train.save, os.path.join(self.ctx.out_dir, "checkpoints"), self.step,
-                       self.state_dict(), self.cfg.trainer.max_checkpoints_to_keep)
-        self.checkpoint = path
-        self.logger.plot_soon()
-        print(f"saved {path}", flush=True)
-
-    def shutdown(self) -> None:
-        """The batches asked ahead dropped, then the roles: the curves are drawn while they stop
-        (plot() then draws only what that drawing missed: nothing, at the end of a run)."""
-        drop_pending(self)
-        self.phases.close()
-        roles.get("rollout manager", self.ctx.manager.shutdown.remote())
-        self.logger.plot()
-        self.logger.close()
-        ray.kill(self.ctx.manager)  # not in the placement group: removing it would leave the actor
-        # Free the run's devices (its actors with them): a later run in the same process (a notebook,
-        # a test session) finds Ray still up and would wait forever for a placement group of its own.
-        self.ctx.placement.release()

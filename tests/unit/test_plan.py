@@ -96,7 +96,7 @@ def test_peer_layouts_fit_with_the_cpu_optimizer():
 
 def test_a_runs_first_moments_are_planned_in_the_order_the_code_follows():
     """start-up, resume and restart hold the actor's whole state while the engines sleep
-    (driver/trainer.Trainer.start): with the engines awake (free_cache_engine off) start-up adds their share.
+    (driver/moments.Moments.start): with the engines awake (free_cache_engine off) start-up adds their share.
     The NPU text config peaks in its resume (the optimizer state read once more, the gradients
     offloaded first): a device between its update and its resume is refused, naming a key, though
     a plan of the step's phases alone would have passed it."""
