@@ -160,7 +160,7 @@ def _bit_exact(a_dir: str, b_dir: str) -> bool:
 
 
 def _world(layout: str) -> int:
-    from dapo_megatron.convert import world_for_layout
+    from dapo_megatron.convert.run import world_for_layout
     degrees = dict(tp=1, pp=1, ep=1, etp=1)
     degrees.update({k: int(v) for k, v in (item.split("=") for item in filter(None, layout.split(",")))})
     return world_for_layout(degrees)

@@ -122,7 +122,7 @@ def main() -> None:
 
     from dapo_megatron.assets.models import build_tiny_model
     from dapo_megatron.driver.weight_sync import sync_weights
-    from dapo_megatron.tools.check_sync import release, start, sync_config
+    from dapo_megatron.tools.check_sync.run import release, start, sync_config
     from dapo_megatron.weights import HFCheckpoint
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -22,8 +22,14 @@ from types import SimpleNamespace
 
 import torch
 
+from dapo_megatron.config.schema import ParallelConfig
+from dapo_megatron.convert.run import checked_layout, world_for_layout
+from dapo_megatron.models import ModelSpec, build_model
 from dapo_megatron.parallel import coords
+from dapo_megatron.train.integrity import check
 from dapo_megatron.train.parallel import WorkerError, init_parallel, run_workers
+from dapo_megatron.weights import CheckpointError, load_hf_checkpoint
+from dapo_megatron.weights.load import unwrap
 
 DEFAULT_PROMPTS = ["The capital of France is", "def fibonacci(n):\n    if n < 2:",
                    "Solve for x: 3x + 5 = 20. First,"]
@@ -39,8 +45,6 @@ def megatron_logits(chunks, tokens: torch.Tensor, images: list | None = None) ->
     """
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-
-    from dapo_megatron.weights.load import unwrap
     spec, c = unwrap(chunks[0]).spec, coords()
     b, t = tokens.shape
     images = images or [None] * b
@@ -69,9 +73,6 @@ def megatron_logits(chunks, tokens: torch.Tensor, images: list | None = None) ->
 
 
 def _worker(hf_dir: str, ckpt: str | None, layout: dict, prompts: list, images: list) -> list:
-    from dapo_megatron.config.schema import ParallelConfig
-    from dapo_megatron.models import ModelSpec, build_model
-    from dapo_megatron.weights import load_hf_checkpoint
     init_parallel(ParallelConfig(**layout))
     chunks = build_model(ModelSpec.from_pretrained(hf_dir), dtype="fp32", perform_initialization=False)
     if ckpt:
@@ -145,9 +146,6 @@ def verify(hf_dir: str, layout: dict, texts: list[str], ckpt: str | None = None,
            lengths: list[int] | None = None, image: tuple[int, int, int] | None = None) -> list[float]:
     """Max |Megatron - HF| logits per prompt (`texts`, or random ids of `lengths`; with `image`,
     a vision-language model's random image of that [t, h, w] patch grid before each)."""
-    from dapo_megatron.convert import checked_layout, world_for_layout
-    from dapo_megatron.models import ModelSpec
-    from dapo_megatron.train.integrity import check
     spec = ModelSpec.from_pretrained(hf_dir)
     layout = checked_layout(layout, spec)
     if ckpt:
@@ -179,7 +177,6 @@ def main(argv=None) -> int:
                    help="vision-language model: a random image of this patch grid before each prompt (e.g. 1x8x12)")
     p.add_argument("--tol", type=float, default=1e-4)
     args = p.parse_args(argv)
-    from dapo_megatron.weights import CheckpointError
     layout = dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp)
     try:
         image = tuple(int(x) for x in args.image.split("x")) if args.image else None

@@ -1,6 +1,6 @@
 """EngineSpec: what one rollout engine serves and how, built once where engines are made.
 
-The driver (`driver/placement.py`), `evaluate.py` and the tests build it from the model's
+The driver (`driver/placement.py`), `evaluate/run.py` and the tests build it from the model's
 `ModelSpec` and the config; the engine, its request features (images, routed experts, tool
 turns) and vLLM's EngineArgs read it, so no flag is threaded through placement -> actor -> engine.
 """

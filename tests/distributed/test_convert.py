@@ -84,7 +84,8 @@ def test_round_trip_through_dist_checkpoint(tmp_path, tiny_hf_models, saved, mod
     assert len(set(index["weight_map"].values())) > 1  # sharded output files
     assert (back / "config.json").exists()
     _same_tensors(hf, str(back))
-    from checkpoint_tools.inspect import inspect, main as inspect_main
+    from checkpoint_tools.inspect import main as inspect_main
+    from checkpoint_tools.tables import inspect
     assert "embedding.word_embeddings.weight" in inspect(str(ckpt)) and "checksums.json lists" in inspect(str(ckpt))
     assert inspect_main([str(ckpt), "--check"]) == 0
     assert "model.embed_tokens.weight" in inspect(str(back))

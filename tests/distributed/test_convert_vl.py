@@ -64,7 +64,7 @@ def test_round_trip_writes_the_official_layout(vl_dirs, vl_ckpt, tmp_path, load)
     proc = _convert("mcore-to-hf", "--ckpt", vl_ckpt, "--out", back, "--shard-mb", 1, *load)
     assert proc.returncode == 0, proc.stderr[-3000:]
     _same_tensors(vl_dirs["official"], str(back))
-    from checkpoint_tools.inspect import inspect
+    from checkpoint_tools.tables import inspect
     assert "visual.merger.linear_fc2.weight" in inspect(str(vl_ckpt))
     assert "model.visual.merger.linear_fc2.weight" in inspect(str(back))
 

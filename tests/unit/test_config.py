@@ -342,7 +342,7 @@ def test_main_model_rules_run_once_and_exit_like_bad_config(tiny_assets, tmp_pat
 def test_convert_layout_rules_name_the_flag(layout, flag):
     """The convert / verify tools check --tp/--pp/--ep/--etp with the config's own rules; a
     layout the model cannot split is an error naming the flag (not a worker traceback)."""
-    from dapo_megatron.convert import checked_layout
+    from dapo_megatron.convert.run import checked_layout
     spec = ModelSpec.from_hf(TINY_MOE)
     with pytest.raises(ConfigError) as err:
         checked_layout({"tp": 1, "pp": 1, "ep": 1, "etp": 1, **layout}, spec)
@@ -353,7 +353,7 @@ def test_convert_layout_rules_name_the_flag(layout, flag):
 
 def test_dtype_names_are_one_table():
     """model.dtype, verl's spellings and convert's --dtype all read dapo_megatron/dtypes.py."""
-    from dapo_megatron.convert import build_parser
+    from dapo_megatron.convert.usage import build_parser
     from dapo_megatron.dtypes import DTYPES
     assert load_config("quickstart", ["model.dtype=fp16"]).model.dtype == "fp16"
     with pytest.raises(ConfigError) as err:

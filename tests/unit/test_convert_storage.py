@@ -5,7 +5,7 @@ import io
 import pytest
 import torch
 
-from dapo_megatron.convert import _exact_storage, _merge_in_place, _tiles
+from dapo_megatron.convert.ranks import _exact_storage, _merge_in_place, _tiles
 
 
 def test_tiles_accepts_in_order_views_that_fill_the_tensor():
@@ -58,7 +58,7 @@ def test_exact_storage_keeps_an_exact_tensor_and_clones_a_strided_view():
 @pytest.mark.parametrize("text,expect", [("{", "is not valid JSON"), ('{"layout": {}}', "has no 'dtype'"),
                                          ("[1]", "has no 'dtype'")])
 def test_a_broken_metadata_file_is_named(tmp_path, text, expect):
-    from dapo_megatron.convert import META_FILE, UsageError, _ckpt_dtype
+    from dapo_megatron.convert.run import META_FILE, UsageError, _ckpt_dtype
     (tmp_path / META_FILE).write_text(text)
     with pytest.raises(UsageError, match=expect) as err:
         _ckpt_dtype(str(tmp_path), str(tmp_path))

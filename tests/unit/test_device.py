@@ -74,9 +74,10 @@ def test_ray_resource_and_cpu_threads():
 
 
 def test_convert_picks_cpu_when_accelerators_are_fewer_than_ranks(monkeypatch, capsys):
+    import dapo_megatron.convert.run as run
     import dapo_megatron.device as device
-    from dapo_megatron.convert import UsageError, pick_device
-    monkeypatch.setattr(device, "detect", lambda: "cuda")
+    from dapo_megatron.convert.run import UsageError, pick_device
+    monkeypatch.setattr(run, "detect", lambda: "cuda")
     monkeypatch.setattr(device.Device, "count", lambda self: 1 if self.kind == "cuda" else 2)
     assert pick_device("auto", 1) == "cuda"
     assert pick_device("auto", 2) == "cpu" and "converting on the CPU" in capsys.readouterr().err

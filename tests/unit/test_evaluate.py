@@ -4,6 +4,7 @@ training checkpoint rides on tests/e2e/test_driver.py's `whole` run."""
 import pytest
 
 from dapo_megatron import evaluate
+from dapo_megatron.evaluate.run import render, summarize
 
 
 def test_a_model_path_that_is_not_a_model_is_one_error_line(tmp_path, capsys):
@@ -27,12 +28,12 @@ def test_summary_per_source_and_overall():
     recs = [dict(index=i, data_source=src, answer=ans, correct=ok, length=10 * (j + 1), cut=j == 1)
             for i, src, answers in ((0, "a", [("1", True), ("2", False)]), (1, "b", [("3", False), ("3", False)]))
             for j, (ans, ok) in enumerate(answers)]
-    s = evaluate.summarize(recs, 2)
+    s = summarize(recs, 2)
     a, b, everything = (s["sources"][k] for k in ("a", "b", "all"))
     assert a["avg@2"] == 0.5 and a["pass@2"] == 1 and a["maj@2"] == 1 and b["pass@2"] == 0
     assert everything["avg@2"] == 0.25 and everything["prompts"] == 2 and everything["cut"] == 0.5
     assert everything["response_length"] == 15 and s["maj_method"] == "exact"
-    table = evaluate.render(s)
+    table = render(s)
     assert table.splitlines()[-2].startswith("all") and "pass@2" in table.splitlines()[0]
 
 

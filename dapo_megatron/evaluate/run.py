@@ -1,43 +1,56 @@
-"""`python -m dapo_megatron.evaluate --model M [--data F ...] [--n N] [key=value ...]`: score a model.
-
-M is an HF folder, a tiny:// model, or a training checkpoint (`<run>/checkpoints/step_N`, exported
-to HF first, as `convert mcore-to-hf` does). A checkpoint's run config (`<run>/config.yaml`) gives
-the defaults: the validation files, lengths, `rollout.val_kwargs`, the engine and the reward; for
-another model they come from `--config-name` (default: dapo). Generates n samples per prompt on
-vLLM engines (the rollout's engine code), scores them with the reward table (math, geo3k, a
-custom function), and prints per data_source avg@n, pass@k and maj@k (reward/metrics.py) for k in
-powers of two up to n, the mean response length and the share cut at the length limit; writes
-the generations (generations.jsonl) and the table (summary.json) under --out. Bad input (a data
-file, a model path) is one `error:` line before anything starts.
+"""`python -m dapo_megatron.evaluate` once its arguments parse: load the config, the model (a
+checkpoint exported first) and the data, generate on local vLLM engines, score with the reward
+table, summarize per data_source, write the generations and the table.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 import time
 
+import ray
+from tqdm import tqdm
+from transformers import AutoTokenizer
+
+from dapo_megatron.assets import resolve_asset_path
 from dapo_megatron.config import ConfigError, load_config, load_run_config
+from dapo_megatron.convert.run import mcore_to_hf
+from dapo_megatron.convert.usage import UsageError, build_parser
+from dapo_megatron.data.dataset import DataError, PromptDataset
+from dapo_megatron.device import get_device
+from dapo_megatron.driver.setup import image_token_counter, stop_token_ids, tool_schemas
+from dapo_megatron.models import ModelSpec
+from dapo_megatron.reward.manager import RewardManager
+from dapo_megatron.reward.metrics import group_metrics, maj_method, mean_by_source
+from dapo_megatron.rollout.actor import engine_actor
+from dapo_megatron.rollout.engine_spec import EngineSpec
+from dapo_megatron.rollout.types import Sampling
+from dapo_megatron.train.parallel import WorkerError
+from dapo_megatron.weights.hf_io import CheckpointError
 
 EXIT_BAD_INPUT = 2
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m dapo_megatron.evaluate", description=__doc__.splitlines()[0],
-                                epilog="example: python -m dapo_megatron.evaluate --model "
-                                       "outputs/dapo-megatron/quickstart/checkpoints/step_30 --n 8")
-    p.add_argument("--model", required=True, help="HF folder, tiny://NAME, or a checkpoint step_N folder")
-    p.add_argument("--data", nargs="*", default=None, help="parquet / jsonl files (default: data.val_files)")
-    p.add_argument("--config-name", "-cn", default="dapo", help="defaults for a model that is not a checkpoint")
-    p.add_argument("--n", type=int, default=None, help="samples per prompt (default: rollout.val_kwargs.n)")
-    p.add_argument("--temperature", type=float, default=None, help="default: rollout.val_kwargs.temperature")
-    p.add_argument("--top-p", type=float, default=None, help="default: rollout.val_kwargs.top_p")
-    p.add_argument("--engines", type=int, default=1, help="engines (each rollout.parallel.tp devices)")
-    p.add_argument("--batch", type=int, default=256, help="prompts per engine call (the progress bar's step)")
-    p.add_argument("--out", default="", help="output folder (default: eval/<model name>)")
-    p.add_argument("overrides", nargs="*", help="config overrides, e.g. data.max_response_length=4096")
-    return p.parse_args(argv)
+def evaluate(args) -> int:
+    """Run the parsed command line; the exit code (2 with one `error:` line on bad input)."""
+    try:
+        cfg, model, out, tokenizer, data, files = load(args)
+    except (ConfigError, DataError, CheckpointError, UsageError, WorkerError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    t0 = time.perf_counter()
+    groups = generate(cfg, model, out, tokenizer, data, args.engines, args.batch)
+    records = score(cfg, tokenizer, data.items, groups)
+    summary = summarize(records, cfg.rollout.val_kwargs.n)
+    summary.update(model=args.model, data=files, seconds=time.perf_counter() - t0)
+    with open(os.path.join(out, "generations.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(render(summary))
+    print(f"wrote {os.path.join(out, 'generations.jsonl')} and summary.json")
+    return 0
 
 
 def _checkpoint_run_config(path: str) -> str | None:
@@ -50,12 +63,10 @@ def _checkpoint_run_config(path: str) -> str | None:
 
 def resolve_model(path: str, out: str) -> str:
     """An HF folder to load: tiny:// built, a checkpoint exported into `out`/model."""
-    from dapo_megatron.assets import resolve_asset_path
     path = resolve_asset_path(path)
     if os.path.isfile(os.path.join(path, "config.json")):
         return path
     if os.path.isfile(os.path.join(path, "metadata.json")):
-        from dapo_megatron.convert import build_parser, mcore_to_hf
         target = os.path.join(out, "model")
         args = build_parser().parse_args(["mcore-to-hf", "--ckpt", path, "--out", target, "--force", "--device", "cpu"])
         return mcore_to_hf(args)
@@ -65,12 +76,6 @@ def resolve_model(path: str, out: str) -> str:
 
 def load(args):
     """(config, HF model dir, out dir, dataset): everything checked before an engine starts."""
-    from transformers import AutoTokenizer
-
-    from dapo_megatron.assets import resolve_asset_path
-    from dapo_megatron.data.dataset import PromptDataset
-    from dapo_megatron.driver.setup import image_token_counter, tool_schemas
-    from dapo_megatron.models import ModelSpec
     run_config = _checkpoint_run_config(args.model)
     cfg = load_run_config(run_config, args.overrides) if run_config else load_config(args.config_name, args.overrides)
     name = os.path.basename(os.path.normpath(args.model.replace("tiny://", "")))
@@ -97,14 +102,6 @@ def load(args):
 
 def generate(cfg, model: str, out: str, tokenizer, data, engines: int, batch: int) -> list:
     """Every prompt's group of n samples, in dataset order, from `engines` local engines."""
-    import ray
-    from tqdm import tqdm
-
-    from dapo_megatron.device import get_device
-    from dapo_megatron.driver.setup import stop_token_ids
-    from dapo_megatron.rollout.actor import engine_actor
-    from dapo_megatron.rollout.engine_spec import EngineSpec
-    from dapo_megatron.rollout.types import Sampling
     device = get_device(cfg.trainer.device)
     # Its own Ray, even beside a cluster `ray start` left here (which ray.init would otherwise
     # join, refusing num_cpus): the engines are this command's, on this machine.
@@ -139,7 +136,6 @@ def generate(cfg, model: str, out: str, tokenizer, data, engines: int, batch: in
 
 def score(cfg, tokenizer, items, groups) -> list[dict]:
     """One record per sample: prompt index, data_source, text, answer, correct, length, cut."""
-    from dapo_megatron.reward.manager import RewardManager
     rows = [(it, g, i) for it, g in zip(items, groups) for i in range(len(g.responses))]
     texts = tokenizer.batch_decode([g.responses[i] for _, g, i in rows], skip_special_tokens=True)
     with RewardManager(cfg.reward, cfg.data.max_response_length) as reward:
@@ -154,7 +150,6 @@ def score(cfg, tokenizer, items, groups) -> list[dict]:
 
 def summarize(records: list[dict], n: int) -> dict:
     """{data_source (and "all"): {avg@n, pass@k, maj@k..., response_length, cut}} averaged over prompts."""
-    from dapo_megatron.reward.metrics import group_metrics, maj_method, mean_by_source
     by_prompt: dict[int, list[dict]] = {}
     for r in records:
         by_prompt.setdefault(r["index"], []).append(r)
@@ -179,32 +174,3 @@ def render(summary: dict) -> str:
         lines.append(f"{src:<24}{row['prompts']:>8}" + "".join(f"{row[c]:>16.4f}" for c in cols))
     lines.append(f"maj@k: {summary['maj_method']} expectation over subsets of k (reward/metrics.py)")
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from dapo_megatron.convert import UsageError
-    from dapo_megatron.data.dataset import DataError
-    from dapo_megatron.train.parallel import WorkerError
-    from dapo_megatron.weights.hf_io import CheckpointError
-    try:
-        cfg, model, out, tokenizer, data, files = load(args)
-    except (ConfigError, DataError, CheckpointError, UsageError, WorkerError, OSError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    t0 = time.perf_counter()
-    groups = generate(cfg, model, out, tokenizer, data, args.engines, args.batch)
-    records = score(cfg, tokenizer, data.items, groups)
-    summary = summarize(records, cfg.rollout.val_kwargs.n)
-    summary.update(model=args.model, data=files, seconds=time.perf_counter() - t0)
-    with open(os.path.join(out, "generations.jsonl"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    print(render(summary))
-    print(f"wrote {os.path.join(out, 'generations.jsonl')} and summary.json")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
