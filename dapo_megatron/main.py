@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from dapo_megatron.config import ConfigError, DapoConfig, check_path, load_config
 from dapo_megatron.logs import LOGS
+from dapo_megatron.weights.hf_io import CheckpointError
 
 EXIT_BAD_INPUT = 2
 EXIT_ROLE_DIED = 1  # a role died and trainer.max_restarts allowed no (more) restarts
@@ -82,7 +83,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from dapo_megatron.data.dataset import DataError
     from dapo_megatron.driver.supervisor import run
     from dapo_megatron.roles import RoleDied
-    from dapo_megatron.weights.hf_io import CheckpointError
     try:
         return run(cfg)
     # Bad input found once the run reads it (model, data, reward function, a checkpoint to resume

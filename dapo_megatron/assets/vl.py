@@ -29,10 +29,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from dapo_megatron.assets import vl_warmup
 from dapo_megatron.assets.models import TINY_VL_MOE, build_tiny_vl_model, save_vl_model
 from dapo_megatron.assets.tokenizer import VISION_TOKENS, VL_BASE_VOCAB_SIZE, VL_CHAT_TEMPLATE, build_tokenizer, \
     special_token_ids, tokenizer_corpus
 from dapo_megatron.data import geo3k_synth
+from dapo_megatron.device.vision import load_processor
 
 _VISION = TINY_VL_MOE["vision_config"]
 _PIXELS_PER_TOKEN = (_VISION["patch_size"] * _VISION["spatial_merge_size"]) ** 2  # 256
@@ -55,10 +57,9 @@ PREPROCESSOR_CONFIG = {
 def vl_corpus() -> list[str]:
     """Tokenizer training lines: the text bundle's, plus geo3k_synth's questions, instruction and
     responses, so the VL prompts and the "<think>..</think> \\boxed{}" answers take few tokens."""
-    from dapo_megatron.assets.vl_warmup import THINK, response_text
     questions = {geo3k_synth.make_scene(0, "corpus", i).question for i in range(60)}
     lines = [f"user\n{q} {geo3k_synth.INSTRUCTION}" for q in sorted(questions)]
-    lines += [response_text(kind, str(n)) for kind in THINK for n in range(0, 181, 7)]
+    lines += [vl_warmup.response_text(kind, str(n)) for kind in vl_warmup.THINK for n in range(0, 181, 7)]
     return tokenizer_corpus() + lines
 
 
@@ -114,8 +115,6 @@ def build_vl_bundle(root: Path, *, seed: int, warmup_steps: int, log: Callable[[
     """Model dir, geo3k data and manifest into `root`; returns the manifest (also written)."""
     from transformers import Qwen3VLMoeForConditionalGeneration
 
-    from dapo_megatron.assets import vl_warmup
-    from dapo_megatron.device.vision import load_processor
     start = time.perf_counter()
     model_dir = build_vl_assets(root / MODEL_DIR, seed=seed)
     rows = {"train": geo3k_synth.make_rows(N_TRAIN, seed, "train", IMAGE_SIZE, KINDS),
@@ -148,17 +147,15 @@ def build_vl_bundle(root: Path, *, seed: int, warmup_steps: int, log: Callable[[
 
 
 def _warm_up(model, processor, train, val, *, seed: int, steps: int) -> dict[str, Any]:
-    from dapo_megatron.assets.vl_warmup import sampled_accuracy, vl_warmup
-
     def accuracy(examples, samples_per_prompt: int) -> dict[str, Any]:
-        return sampled_accuracy(model, processor, examples, samples_per_prompt=samples_per_prompt, temperature=1.0,
+        return vl_warmup.sampled_accuracy(model, processor, examples, samples_per_prompt=samples_per_prompt, temperature=1.0,
                                 max_new_tokens=MAX_NEW_TOKENS, seed=seed)
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # same bytes on any machine, and faster on a busy one (assets/build.py)
     try:
         begin = time.perf_counter()
-        losses = vl_warmup(model, processor, train, steps=steps, seed=seed, **WARMUP)
+        losses = vl_warmup.vl_warmup(model, processor, train, steps=steps, seed=seed, **WARMUP)
         seconds = time.perf_counter() - begin
         return {"warmup_steps_taken": len(losses), "warmup_seconds": round(seconds, 2),
                 "loss_first": round(losses[0], 4), "loss_last": round(losses[-1], 4),

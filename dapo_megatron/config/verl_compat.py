@@ -18,6 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
+from dapo_megatron.algo import RS_CRITERIA
 from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.dtypes import BY_ANY_NAME
 
@@ -181,7 +182,6 @@ def _rollout_rs(value: str) -> list[str]:
     if _is_null(rs):
         return []
     rs = _OLD_RS.get(rs, rs)
-    from dapo_megatron.algo import RS_CRITERIA
     if rs not in RS_CRITERIA:
         raise ValueError(f"rollout_rs={_bare(value)} is not one of {', '.join((*_OLD_RS, *RS_CRITERIA))} "
                          f"(actor.rollout_correction.rs); one criterion at a time")

@@ -21,9 +21,11 @@ from dapo_megatron import dataplane, hooks
 from dapo_megatron.config import ConfigError, DapoConfig, num_engines, role_devices
 from dapo_megatron.device import get_device
 from dapo_megatron.driver.workers import TrainGroup
-from dapo_megatron.train.worker import TrainWorker
 from dapo_megatron.logs import log_file
 from dapo_megatron.models import ModelSpec
+from dapo_megatron.rollout.actor import engine_actor
+from dapo_megatron.rollout.engine_spec import EngineSpec
+from dapo_megatron.train.worker import TrainWorker
 
 SHARE = 0.5  # fraction of a colocated device each role asks Ray for
 # While the devices are missing (a lost node not back yet, a cluster still growing): the first
@@ -151,8 +153,6 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
           tokenizer_path: str = "", data_plane: dataplane.Handle | None = None) -> Placement:
     """Create the placement group, the training ranks and the engines (not yet set up); both
     reach the data plane through `data_plane`."""
-    from dapo_megatron.rollout.actor import engine_actor
-    from dapo_megatron.rollout.engine_spec import EngineSpec
     device = get_device(cfg.trainer.device)
     devices = role_devices(cfg)
     colocated = cfg.trainer.placement == "colocated"

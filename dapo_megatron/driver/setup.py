@@ -8,14 +8,21 @@ import warnings
 from dataclasses import dataclass
 from functools import partial
 
+from transformers import AutoTokenizer
+
 from dapo_megatron import dataplane
+from dapo_megatron import plan as memory_plan
+from dapo_megatron.assets import resolve_asset_path
 from dapo_megatron.config import ConfigError, DapoConfig, check_model
 from dapo_megatron.config.schema import DataConfig
 from dapo_megatron.data.dataset import PromptDataset
+from dapo_megatron.device import detect
 from dapo_megatron.driver.placement import Placement, beside_driver, init_ray, place
 from dapo_megatron.logs import log_file
 from dapo_megatron.models import ModelSpec
+from dapo_megatron.reward.manager import check_reward_config
 from dapo_megatron.rollout.manager import manager_actor
+from dapo_megatron.toolcall import load_tools, tool_turn_ids
 from dapo_megatron.train.checkpoint import start_checkpoint_problem
 from dapo_megatron.weights.load import check_hf_checkpoint
 
@@ -41,7 +48,6 @@ class Context:
 
 
 def _resolved(data: DataConfig) -> DataConfig:
-    from dapo_megatron.assets import resolve_asset_path
     return dataclasses.replace(data, train_files=[resolve_asset_path(f) for f in data.train_files],
                                val_files=[resolve_asset_path(f) for f in data.val_files])
 
@@ -51,8 +57,6 @@ def check_memory(cfg: DapoConfig, spec: ModelSpec) -> None:
     one line naming the largest term's key (trainer.skip_memory_check=true: a warning instead).
     Nothing is checked where one device's memory is unknown: a CPU run without
     trainer.device_memory_gb, or a driver that cannot see the accelerators (a warning)."""
-    from dapo_megatron import plan as memory_plan
-    from dapo_megatron.device import detect
     if cfg.trainer.device_memory_gb <= 0 and (detect() if cfg.trainer.device == "auto" else cfg.trainer.device) == "cpu":
         return
     memory, flash = memory_plan.device_bytes(cfg)
@@ -72,10 +76,6 @@ def prepare(cfg: DapoConfig) -> Context:
     """Resolve tiny:// assets, read the model spec (and check the config against it: the one
     place that does), load tokenizer and data, start Ray, place the roles (the training ranks
     build their state in `start`, once the engines gave the devices up)."""
-    from transformers import AutoTokenizer
-
-    from dapo_megatron.assets import resolve_asset_path
-    from dapo_megatron.reward.manager import check_reward_config
     model_path = resolve_asset_path(cfg.model.path)
     try:
         spec = ModelSpec.from_pretrained(model_path)
@@ -175,7 +175,6 @@ def tool_schemas(cfg: DapoConfig, tokenizer, tokenizer_key: str) -> list[dict] |
     the chat template renders tool messages, and return the schemas the prompts list."""
     if not cfg.rollout.multi_turn.enable:
         return None
-    from dapo_megatron.toolcall import load_tools, tool_turn_ids
     tools = load_tools(cfg.rollout.tools)
     try:
         tool_turn_ids(tokenizer, ["check"])

@@ -7,7 +7,8 @@ Each chunk carries `chunk.spec`, so the weight maps (`weights/`) know the archit
 """
 from __future__ import annotations
 
-from dapo_megatron.models.gpt import padded_vocab_size  # noqa: F401
+from dapo_megatron.device import get_device
+from dapo_megatron.models.gpt import have_transformer_engine, padded_vocab_size, transformer_config  # noqa: F401
 from dapo_megatron.models.registry import Arch, get_arch  # noqa: F401
 from dapo_megatron.models.spec import ModelSpec  # noqa: F401
 
@@ -21,8 +22,6 @@ def build_model(spec: ModelSpec, *, dtype: str = "fp32", sequence_parallel: bool
     parallel is forced on when TP > 1 with MoE. On CPU the params are created on the host
     (`use_cpu_initialization`).
     """
-    from dapo_megatron.device import get_device
-    from dapo_megatron.models.gpt import have_transformer_engine, transformer_config
     device = device or get_device()
     arch = spec.arch
     use_te = have_transformer_engine() if use_te is None else use_te

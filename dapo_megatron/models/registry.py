@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from functools import cache
 from typing import Callable
 
+from dapo_megatron.models import gpt, qwen3_vl
 from dapo_megatron.models.names import BASE, DENSE_MLP, MOE_MLP, QK_NORM, QKV_BIAS, TEXT_PREFIX, under
 
 
@@ -47,8 +48,7 @@ _VL_LANGUAGE = "model.language_model."
 
 @cache
 def archs() -> dict[str, Arch]:
-    """Every row, by model_type. The model code (torch) is imported here, on first use."""
-    from dapo_megatron.models import gpt, qwen3_vl
+    """Every row, by model_type."""
     gpt_fns = dict(config_fn=gpt.gpt_config_kwargs, build_fn=gpt.build_gpt_chunks, inputs_fn=gpt.gpt_inputs,
                    forward_fn=gpt.gpt_forward)
     rows = [

@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from dapo_megatron.models.registry import Arch, get_arch
+
 
 def _as_dict(hf: Any) -> dict:
     """A transformers PretrainedConfig or a plain config.json dict -> a dict (nested ones too)."""
@@ -110,8 +112,7 @@ class ModelSpec:
                 return cls.from_hf(json.load(f))
 
     @property
-    def arch(self):
-        from dapo_megatron.models.registry import get_arch
+    def arch(self) -> Arch:
         return get_arch(self.model_type)
 
     @property

@@ -7,7 +7,7 @@
     update       the actor's state + saved activations + the logits of one micro-batch
     weight sync  the actor's parameters + the engine's weights + the sync buckets
 
-and per moment of a run that is not a step (the order driver/trainer.Trainer.start and driver/colocate.py
+and per moment of a run that is not a step (the order driver/moments.Moments.start and driver/colocate.py
 follow: the engines asleep while the training ranks build or load):
 
     start-up     the actor's whole state as built (HF weights or model.load_checkpoint) + the reference's
@@ -29,8 +29,10 @@ import math
 from dataclasses import dataclass, field
 
 from dapo_megatron.config import ConfigError, role_devices
+from dapo_megatron.device import Device, detect
 from dapo_megatron.plan.activations import layer_bytes_per_token, logits_bytes, shape_of, training_bytes
 from dapo_megatron.plan.state import DTYPE_BYTES, Layout, reference_params, worst_rank_state
+from dapo_megatron.weights.name_map import expected_hf_shapes
 
 GiB = 2 ** 30  # what an "80 GB" H100 (79.6 GiB usable) or a "64 GB" NPU is counted in
 # Per process on an accelerator: the runtime's context, the collectives' buffers and allocator
@@ -91,7 +93,6 @@ def _engine(cfg, spec, device_bytes: float | None) -> tuple[dict[str, float], li
     """The engine worker's share of a device (vLLM allocates gpu_memory_utilization of it) and
     what the share holds: weights split over the engine's TP, the forward's working set of a
     max_num_batched_tokens step (estimated), the KV cache in what is left."""
-    from dapo_megatron.weights.name_map import expected_hf_shapes
     r, b = cfg.rollout, DTYPE_BYTES[cfg.model.dtype]
     tp = r.parallel.tp
     weights = sum(math.prod(s) for s in expected_hf_shapes(spec, files=False).values()) * b / tp
@@ -120,7 +121,6 @@ def _engine(cfg, spec, device_bytes: float | None) -> tuple[dict[str, float], li
 def device_bytes(cfg, override_gb: float = 0.0) -> tuple[float | None, bool]:
     """(one device's memory in bytes, None where this host cannot tell; whether its kind runs
     flash attention). CPU: the host's RAM over the node's ranks."""
-    from dapo_megatron.device import Device, detect
     kind = detect() if cfg.trainer.device == "auto" else cfg.trainer.device
     device = Device(kind)
     gb = override_gb or cfg.trainer.device_memory_gb

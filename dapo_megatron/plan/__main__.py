@@ -9,13 +9,17 @@ Exits 1 when the plan does not fit, 2 on bad input.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from dapo_megatron.config import ConfigError, load_config
+from dapo_megatron.config import ConfigError, load_config, num_engines
+from dapo_megatron.models.spec import ModelSpec
 from dapo_megatron.plan import check, device_bytes, make_plan, max_response_length, render
+from dapo_megatron.plan.build import build_ranks, render_row
+from dapo_megatron.plan.coverage import Coverage, MetaCheckpoint, tensor_list
 
 SHIPPED_SHAPES = Path(__file__).resolve().parents[2] / "configs" / "hf"
 
@@ -23,15 +27,12 @@ SHIPPED_SHAPES = Path(__file__).resolve().parents[2] / "configs" / "hf"
 def model_spec(cfg, hf_config: str = ""):
     """The ModelSpec of `--hf-config`, else of model.path, else of the shipped shape of a model
     dir of that name (configs/hf/): the plan needs only the shape."""
-    import json
-
-    from dapo_megatron.models.spec import ModelSpec
     if hf_config:
         path = Path(hf_config)
         path = path / "config.json" if path.is_dir() else path
         return ModelSpec.from_hf(json.loads(path.read_text()))
     path = cfg.model.path
-    if path.startswith("tiny://"):
+    if path.startswith("tiny://"):  # the assets' builders (transformers, tokenizers): only for tiny://
         from dapo_megatron.assets import resolve_asset_path
         path = resolve_asset_path(path)
     if os.path.isfile(os.path.join(path, "config.json")):
@@ -77,9 +78,6 @@ def main(argv=None) -> int:
 
 
 def _build(cfg, spec) -> int:
-    from dapo_megatron.config import num_engines
-    from dapo_megatron.plan.build import build_ranks, render_row
-    from dapo_megatron.plan.coverage import Coverage, MetaCheckpoint, tensor_list
     start = time.perf_counter()
     listed = tensor_list(cfg.model.path)
     coverage = listed and Coverage(MetaCheckpoint(listed), spec, cfg.rollout.sync.bucket_mb << 20)

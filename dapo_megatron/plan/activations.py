@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dapo_megatron.models.gpt import padded_vocab_size
+
 
 @dataclass(frozen=True)
 class Shape:
@@ -33,7 +35,6 @@ class Shape:
 
 
 def shape_of(spec, par, *, dtype_bytes: int) -> Shape:
-    from dapo_megatron.models.gpt import padded_vocab_size
     tp, etp = par.tp, par.etp
     sp = tp > 1 and (par.sequence_parallel or spec.is_moe)  # models/gpt.py forces SP for MoE at TP > 1
     return Shape(hidden=spec.hidden_size, heads=spec.num_heads // tp, kv_heads=max(spec.num_kv_heads // tp, 1),

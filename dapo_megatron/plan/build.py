@@ -21,8 +21,18 @@ import dataclasses
 import time
 from dataclasses import dataclass
 
+import torch
+
+from dapo_megatron.config import role_devices
+from dapo_megatron.device import get_device
+from dapo_megatron.dtypes import DTYPES
+from dapo_megatron.models import build_model
 from dapo_megatron.parallel import Coords
 from dapo_megatron.plan.state import ADAM_BYTES, STEP_BYTES, Layout, RankState, rank_state
+from dapo_megatron.train.actor import recompute_overrides
+from dapo_megatron.train.optim import build_optimizer, wrap_ddp
+from dapo_megatron.train.parallel import fake_rank
+from dapo_megatron.weights.sync import sender_roles
 
 
 @dataclass(frozen=True)
@@ -68,16 +78,6 @@ def build_ranks(cfg, spec, *, world: int | None = None, ranks=None, on_rank=None
     """Every distinct rank of `cfg`'s actor over `world` devices (default: the actor's devices),
     or of the global `ranks` given, built and set against the plan. `on_rank(RankBuild)` hears
     of each as it is done; a `coverage.Coverage` given loads and exports each (plan/coverage.py)."""
-    import torch
-
-    from dapo_megatron.config import role_devices
-    from dapo_megatron.device import get_device
-    from dapo_megatron.dtypes import DTYPES
-    from dapo_megatron.models import build_model
-    from dapo_megatron.train.actor import recompute_overrides
-    from dapo_megatron.train.optim import build_optimizer, wrap_ddp
-    from dapo_megatron.train.parallel import fake_rank
-    from dapo_megatron.weights.sync import sender_roles
     a, p = cfg.actor, cfg.actor.parallel
     world = world or role_devices(cfg)["actor"]
     device = get_device("cpu")  # the CPU backend's patches put Megatron's device tensors on meta

@@ -19,6 +19,12 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
+from dapo_megatron.weights.export import bucketize, iter_hf_params
+from dapo_megatron.weights.hf_io import CheckpointError
+from dapo_megatron.weights.load import UnstackedExperts, load_from
+
 SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "hf"
 
 
@@ -41,13 +47,11 @@ class MetaCheckpoint:
         return set(self.shapes)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        from dapo_megatron.weights.hf_io import CheckpointError
         if name not in self.shapes:
             raise CheckpointError(f"tensor {name} is not in {self.dir}")
         return self.shapes[name]
 
     def read(self, name: str, dim: int | None = None, start: int = 0, end: int | None = None):
-        import torch
         shape = list(self.shape(name))
         if dim is not None:
             end = shape[dim] if end is None else end
@@ -78,9 +82,6 @@ class Coverage:
 
     def add(self, rank: int, coords, model) -> None:
         """A built rank: load the list into it, export it. Errors are kept, naming the rank."""
-        from dapo_megatron.weights.export import bucketize, iter_hf_params
-        from dapo_megatron.weights.hf_io import CheckpointError
-        from dapo_megatron.weights.load import load_from
         self.listed.reads = []
         try:
             load_from(self.listed, model)
@@ -123,7 +124,6 @@ class Coverage:
 
     def engine_shapes(self) -> dict[str, tuple[int, ...]]:
         """What an engine loads: the list's tensors, a fused expert tensor as its per-expert parts."""
-        from dapo_megatron.weights.load import UnstackedExperts
         unstacked = UnstackedExperts(self.listed, self.spec)
         out = {name: shape for name, shape in self.listed.shapes.items() if name not in unstacked.fused}
         out.update((name, unstacked.shape(name)) for name in unstacked.parts)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dapo_megatron.models.gpt import padded_vocab_size
 from dapo_megatron.weights import name_map as nm
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -79,7 +80,6 @@ def _mcore_shapes(spec) -> dict[str, tuple[str, int]]:
 def _local(template: str, numel: int, spec, lay: Layout) -> int:
     """Elements of one instance of `template` on one rank."""
     if template in nm.VOCAB_PARAMS:
-        from dapo_megatron.models.gpt import padded_vocab_size
         return padded_vocab_size(spec.vocab_size, lay.tp) // lay.tp * spec.hidden_size
     if nm.TP_DIM.get(template) is None:
         return numel
@@ -122,8 +122,7 @@ def chunk_tensors(spec, lay: Layout, stage: int, vp_stage: int = 0) -> list[Tens
         if not spec.tie_word_embeddings or lay.pp > 1:
             out.append(one("output_layer.weight", shared_embedding=shared))
     if first and spec.arch.verbatim:  # the vision tower, replicated, registered last
-        from dapo_megatron.weights.name_map import vision_tower_shapes
-        out += [Tensor(name, math.prod(shape), False) for name, shape in vision_tower_shapes(spec).items()]
+        out += [Tensor(name, math.prod(shape), False) for name, shape in nm.vision_tower_shapes(spec).items()]
     return out
 
 

@@ -8,18 +8,15 @@ score += penalty.
 """
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
 
 from dapo_megatron.algo.shaping import overlong_penalty
-from dapo_megatron.config.errors import ConfigError
+from dapo_megatron.config.custom_fn import load_custom_fn
 from dapo_megatron.config.schema import RewardConfig
 from dapo_megatron.config.validate import check_reward
 from dapo_megatron.reward.client import RewardClient
@@ -38,35 +35,6 @@ class RewardOutput:
     overlong_penalty: torch.Tensor  # [B] float32, <= 0; all 0 when the buffer is disabled
     reason: list[str]  # [B] why a pair scored -1 without a verdict ("" otherwise)
     metrics: dict[str, float]  # "reward/..." scalars for the logger
-
-
-def load_custom_fn(spec: str, key: str = "reward.custom_fn") -> Callable:
-    """`path/to/file.py:function` -> that function. Errors name the config key, file, function."""
-    path_str, sep, name = spec.rpartition(":")
-    if not sep or not path_str or not name:
-        raise ConfigError(key, f"{key} must be 'path/to/file.py:function', "
-                                              f"got {spec!r}")
-    path = Path(path_str).expanduser()
-    if not path.is_file():
-        raise ConfigError(key, f"{key}: file {path} not found "
-                                              f"(resolved to {path.resolve()})")
-    module_name = f"dapo_custom_{path.stem}_{abs(hash(str(path.resolve())))}"
-    module_spec = importlib.util.spec_from_file_location(module_name, path)
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # dataclasses / pickling inside the file look it up here
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[module_name]
-        raise ConfigError(key, f"{key}: importing {path} failed: "
-                                              f"{type(e).__name__}: {e}") from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        found = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        what = "not found" if fn is None else f"is a {type(fn).__name__}, not a function"
-        raise ConfigError(key, f"{key}: {name!r} {what} in {path}; "
-                                              f"callables there: {found}")
-    return fn
 
 
 def check_reward_config(cfg: RewardConfig) -> Callable | None:

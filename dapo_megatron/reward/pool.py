@@ -29,7 +29,7 @@ from multiprocessing.connection import wait
 from typing import Sequence
 
 from dapo_megatron.reward.math_score import (ERROR, TIMEOUT, WORKER_DIED, RewardResult, make_result,
-                                             prescreen)
+                                             math_verify_equal, prescreen, warm_up)
 from dapo_megatron.reward.scorers import scorers_for
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,6 @@ def _worker_main(conn) -> None:
     # Ctrl-C goes to the whole process group; shutdown is the parent's decision.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        from dapo_megatron.reward.math_score import math_verify_equal, warm_up
         warm_up()
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
         conn.send(("error", traceback.format_exc()))

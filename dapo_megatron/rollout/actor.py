@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+from dapo_megatron import dataplane
 from dapo_megatron.batch import Prompt
 from dapo_megatron.device import get_device
 from dapo_megatron.logs import redirect_output
@@ -63,7 +64,6 @@ class GroupStore:
     without a data plane) returns its RolloutGroup whole, as the bare `Engine` does."""
 
     def __init__(self, data_plane, name: str):
-        from dapo_megatron import dataplane
         self.plane = dataplane.connect(data_plane) if data_plane is not None else None
         self.name = name or f"engine{os.getpid()}"
         self.partitions: dict[str, str] = {}

@@ -17,6 +17,7 @@ from dapo_megatron.algo import Group
 from dapo_megatron.batch import READ_BY_REWARD, read_by
 from dapo_megatron.config.schema import DapoConfig
 from dapo_megatron.data.dataset import PromptItem
+from dapo_megatron.reward.manager import RewardManager
 from dapo_megatron.rollout.collection.base import ScoredGroup
 from dapo_megatron.rollout.types import StoredGroup
 
@@ -29,8 +30,6 @@ class RewardWorker:
 
     def __init__(self, cfg: DapoConfig, tokenizer_path: str, data_plane: dataplane.Handle):
         from transformers import AutoTokenizer
-
-        from dapo_megatron.reward.manager import RewardManager
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
         self.reward = RewardManager(cfg.reward, cfg.data.max_response_length)
         self.plane = dataplane.connect(data_plane)

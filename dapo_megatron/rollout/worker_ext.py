@@ -32,6 +32,7 @@ from typing import Iterable, Iterator, NamedTuple, Optional, Union
 
 import torch
 
+from dapo_megatron.device import get_device
 from dapo_megatron.weights.checksum import Checksum, merge_checksums, shard_checksum
 
 # vLLM fused module (last name component) -> the HF modules it stacks along dim 0.
@@ -252,7 +253,6 @@ class WeightSyncExtension:
     """
 
     def device_setup(self) -> None:
-        from dapo_megatron.device import get_device
         get_device().setup_vllm_worker(self.model_runner)
 
     def weight_sync_begin(self) -> None:

@@ -65,8 +65,9 @@ BUILTIN: dict[str, Callable[[Limits], Callable[..., Result]]] = {"python": _pyth
 def load_tools(entries: Sequence[str], limits: Limits = Limits()) -> dict[str, Tool]:
     """`rollout.tools` entries -> tools by name: a built-in name, or `path/to/file.py:function`
     (the tool is named after the function). Errors name `rollout.tools`. limits: the interpreter's."""
-    from dapo_megatron.config.errors import ConfigError
-    from dapo_megatron.reward.manager import load_custom_fn
+    # Here, not at the top: the sandbox's interpreter imports this package (sandbox._BOOT) and
+    # must not pay for torch, which the config package imports.
+    from dapo_megatron.config import ConfigError, load_custom_fn
     tools: dict[str, Tool] = {}
     for entry in entries:
         if entry in BUILTIN:

@@ -26,7 +26,7 @@ from dapo_megatron.algo import Correction, agg_loss, compute_policy_loss, kl_pen
 from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.config.schema import ActorConfig
 from dapo_megatron.device import get_device
-from dapo_megatron.models import ModelSpec
+from dapo_megatron.models import ModelSpec, build_model
 from dapo_megatron.dtypes import DTYPES
 from dapo_megatron.parallel import coords, group
 from dapo_megatron.train import logprobs as lp
@@ -34,6 +34,7 @@ from dapo_megatron.train import microbatch as mb
 from dapo_megatron.train import routing
 from dapo_megatron.train import offload
 from dapo_megatron.train.optim import build_optimizer, build_scheduler, wrap_ddp
+from dapo_megatron.weights import load_hf_checkpoint
 
 # Metrics summed over micro-batches and DP: losses are already shares of the mini-batch loss;
 # fractions are weighted by the micro-batch's token count and divided by the total at the end.
@@ -61,8 +62,6 @@ def recompute_overrides(granularity: str) -> dict:
 def build_chunks(spec: ModelSpec, hf_dir: str, parallel, *, dtype: str, load: bool = True, **overrides) -> list:
     """This rank's GPTModel chunks for `spec`, the HF weights of `hf_dir` loaded (before any DDP
     wrapping, whose renamed parameters the name maps do not know)."""
-    from dapo_megatron.models import build_model
-    from dapo_megatron.weights import load_hf_checkpoint
     chunks = build_model(spec, dtype=dtype, sequence_parallel=parallel.sequence_parallel, **overrides)
     if load:
         load_hf_checkpoint(chunks, hf_dir)

@@ -27,6 +27,7 @@ import shutil
 import torch
 import torch.distributed as dist
 
+from dapo_megatron.device import get_device
 from dapo_megatron.train.integrity import check, write_manifest
 from dapo_megatron.weights.hf_io import HF_SUBDIR, CheckpointError, copy_hf_files
 
@@ -156,7 +157,6 @@ def _load_optimizer(optimizer, state) -> None:
 def _rng_state() -> dict:
     import random
     from megatron.core import tensor_parallel
-    from dapo_megatron.device import get_device
     return {"python": random.getstate(), "device": get_device().rng_state(),
             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
 
@@ -164,7 +164,6 @@ def _rng_state() -> dict:
 def _set_rng_state(state: dict) -> None:
     import random
     from megatron.core import tensor_parallel
-    from dapo_megatron.device import get_device
     random.setstate(state["python"])
     get_device().set_rng_state(state["device"])
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])

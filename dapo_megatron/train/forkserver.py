@@ -1,4 +1,5 @@
-"""The process that `train.parallel.run_workers` forks its ranks from (standard library only).
+"""The process that `train.parallel.run_workers` forks its ranks from (light: the standard library
+and logs.py, so that convert starts it before its own imports).
 
 Ranks are forks of a multiprocessing "forkserver" that has already imported torch, megatron-core
 and the HF config classes (`_forkserver_preload`): ~10 s of CPU per fresh interpreter on our
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+
+from dapo_megatron.logs import stderr_to
 
 PRELOAD = ["dapo_megatron.train._forkserver_preload"]
 
@@ -25,7 +28,6 @@ def start(log_path: str = "") -> None:
     """Start the server now: it imports in the background while the caller goes on (the convert
     CLI reads and checks its input meanwhile); the first rank started waits for it. With
     `log_path`, a server started here writes its stderr (the imports' warnings) there."""
-    from dapo_megatron.logs import stderr_to
     context()
     with stderr_to(log_path):
         multiprocessing.forkserver.ensure_running()

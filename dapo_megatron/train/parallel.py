@@ -20,6 +20,7 @@ from dapo_megatron.config.schema import ParallelConfig
 from dapo_megatron.device import Device, get_device
 from dapo_megatron.logs import redirect_output, stderr_to
 from dapo_megatron.parallel import Coords, coords, free_port
+from dapo_megatron.train.forkserver import context
 
 
 def _assert_fits(cfg: ParallelConfig, world: int) -> None:
@@ -140,7 +141,6 @@ def run_workers(fn, world_size: int, *args, timeout_s: float = 600.0, log_path: 
     message. A run longer than `timeout_s` is killed and raises TimeoutError. With `log_path`
     the workers' library output goes there (`logs.console()` still reaches the user).
     """
-    from dapo_megatron.train.forkserver import context
     ctx = context()
     queue, port, env = ctx.Queue(), free_port(), dict(os.environ)
     procs = [ctx.Process(target=_worker, args=(r, world_size, port, env, fn, args, queue, log_path))

@@ -4,8 +4,8 @@ fans each call out to every rank (`driver/workers.TrainGroup`). In the loop (`st
 `step_update`) each rank reads the rows of its DP share from the data plane and writes its
 log-probs back there by column; only metrics come back.
 
-The driver defines the actor class from this module, so its top imports stay light; Megatron,
-the model and the weight code are imported inside the methods, in the rank's own process.
+The driver defines the actor class from this module: what it imports stays torch-level, as the
+train/ and weights/ modules import Megatron inside the functions that run in the rank's process.
 """
 from __future__ import annotations
 
@@ -15,12 +15,20 @@ from typing import Optional
 import ray
 
 from dapo_megatron import dataplane
+from dapo_megatron.algo import rollout_logprob_metrics
 from dapo_megatron.batch import READ_BY_LOGPROBS, READ_BY_UPDATE, RolloutBatch, read_by, unpad_positions
 from dapo_megatron.config.schema import DapoConfig
+from dapo_megatron.device import get_device
 from dapo_megatron.logs import redirect_output
 from dapo_megatron.models import ModelSpec
 from dapo_megatron.parallel import coords, free_port
+from dapo_megatron.train.actor import Actor
+from dapo_megatron.train.checkpoint import load_checkpoint, load_start, save_checkpoint
 from dapo_megatron.train.logprobs import Rows, assemble
+from dapo_megatron.train.parallel import init_parallel
+from dapo_megatron.train.reference import Reference
+from dapo_megatron.weights.export import write_hf_shards
+from dapo_megatron.weights.sync import push, sender_roles
 from dapo_megatron.weights.transport import TRANSPORTS
 
 
@@ -47,9 +55,6 @@ class TrainWorker:
 
     def setup(self, master: tuple[str, int], total_steps: int) -> dict:
         """Join the process group, initialise Megatron's parallel state, build the models."""
-        from dapo_megatron.device import get_device
-        from dapo_megatron.train.actor import Actor
-        from dapo_megatron.train.parallel import init_parallel
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.rank % self.cfg.trainer.n_gpus_per_node))
         device = get_device(self.cfg.trainer.device)
@@ -62,17 +67,14 @@ class TrainWorker:
         self.actor = Actor(c.actor, self.model_path, spec=self.spec, n=c.rollout.n, total_steps=total_steps,
                            dtype=c.model.dtype, temperature=c.rollout.temperature, load_weights=not start)
         if c.actor.use_kl_loss:
-            from dapo_megatron.train.reference import Reference
             self.ref = Reference(c.ref, self.model_path, spec=self.spec, dtype=c.model.dtype,
                                  temperature=c.rollout.temperature,
                                  max_tokens_per_microbatch=c.actor.max_tokens_per_microbatch)
-        if start:  # (a resume, if any, loads the run's own checkpoint over it: driver/trainer.Trainer.resume)
-            from dapo_megatron.train.checkpoint import load_start
+        if start:  # (a resume, if any, loads the run's own checkpoint over it: driver/moments.Moments.resume)
             load_start(start, self.actor, self.ref)
         return vars(info)
 
     def _peak(self, phase: str) -> None:
-        from dapo_megatron.device import get_device
         peak = get_device(self.cfg.trainer.device).peak_memory_gb()
         if peak is not None:
             self.peaks[phase] = max(peak, self.peaks.get(phase, 0.0))
@@ -107,7 +109,6 @@ class TrainWorker:
         CP, written to the data plane by TP rank 0 for the ranks that computed none. Returns, on the reporting ranks,
         the columns written and metrics: the rollout-vs-trainer gap over these rows (actor), with
         their token count."""
-        from dapo_megatron.algo import rollout_logprob_metrics
         c = coords()
         # The rows this rank trains on (its share of every mini-batch): it reads them once and
         # keeps their log-probs for its update. One mini-batch: split_for_dp's share, as always.
@@ -167,7 +168,6 @@ class TrainWorker:
     def sync_address(self) -> Optional[tuple[str, int]]:
         """Where this rank's weight-sync transport listens, or None when it needs no receivers
         (weights/transport.py; a rank that sends nothing, weights/sync.sender_roles, never does)."""
-        from dapo_megatron.weights.sync import sender_roles
         return self.transport.listen(any(sender_roles()))
 
     def push_weights(self, engines: list, bucket_mb: int, checksums: bool,
@@ -176,7 +176,6 @@ class TrainWorker:
         transport; returns their checksums (with `checksums`), bytes and the engines that died
         in it (the transport's `Sender.dead`). A collective: every rank
         takes part in the TP / expert-TP gathers."""
-        from dapo_megatron.weights.sync import push
         sender = self.transport.sender(engines, address)
         sums, self.sync_plan = push(self.actor.chunks, sender, bucket_mb << 20, self.sync_plan, checksums=checksums)
         sender.close()
@@ -186,12 +185,10 @@ class TrainWorker:
     def save_hf(self, out_dir: str, shard_mb: int = 2048) -> dict:
         """Write the current weights as HF safetensors shards (one writer per stage); returns
         the writer's weight map (empty on non-writers). For checks and exports, not the loop."""
-        from dapo_megatron.weights.export import write_hf_shards
         with self.actor.offloader.onloaded():
             return write_hf_shards(self.actor.chunks, out_dir, shard_mb << 20)
 
     def save(self, root: str, step: int, trainer_state: dict, keep: int) -> str:
-        from dapo_megatron.train.checkpoint import save_checkpoint
         tokenizer = None
         if self.cfg.model.tokenizer_path:  # (the assets' module imports transformers: only when needed)
             from dapo_megatron.assets import resolve_asset_path
@@ -201,5 +198,4 @@ class TrainWorker:
                                    hf_files=(self.model_path, tokenizer))
 
     def load(self, path: str, load_optimizer: bool = True) -> dict:
-        from dapo_megatron.train.checkpoint import load_checkpoint
         return load_checkpoint(self.actor, path, load_optimizer=load_optimizer)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from dapo_megatron.parallel import coords, group
 from dapo_megatron.weights import name_map, reshape
+from dapo_megatron.weights.hf_io import ShardWriter
 from dapo_megatron.weights.load import chunk_geometry, param_maps, tp_split, unwrap
 
 
@@ -70,8 +71,7 @@ def _expert_over_ep(pm, tensors: dict, geo, group) -> dict[str, torch.Tensor]:
 
 def _rename_expert(hf_name: str, pm, geo, ep_rank: int) -> str:
     """The HF name of the same local expert slot on another EP rank."""
-    from dapo_megatron.weights.name_map import split_ids
-    _, _, local = split_ids(pm.mcore_name)
+    _, _, local = name_map.split_ids(pm.mcore_name)
     mine = reshape.global_expert_id(local, geo["ep_rank"], geo["experts_per_rank"])
     theirs = reshape.global_expert_id(local, ep_rank, geo["experts_per_rank"])
     return hf_name.replace(f".experts.{mine}.", f".experts.{theirs}.", 1)
@@ -170,7 +170,6 @@ def write_hf_shards(model_chunks, out_dir: str, shard_bytes: int, on_tensor=None
     elsewhere: the caller merges them and calls `hf_io.finalize_shards`. Tensor by tensor, not in
     buckets: the writer puts each in its file at once, so a reshaped copy (QKV, gate/up) lives only
     until the next one and peak memory stays the stage's weights plus one tensor."""
-    from dapo_megatron.weights.hf_io import ShardWriter
     writer = is_dense_owner()
     shards = ShardWriter(out_dir, f"part-s{coords().pp_rank}", shard_bytes)
     for name, tensor in iter_hf_tensors(model_chunks):

@@ -18,7 +18,10 @@ import re
 from dataclasses import dataclass, field
 from functools import cache
 
+import torch
+
 from dapo_megatron.models.names import under
+from dapo_megatron.models.qwen3_vl import build_vision_tower
 from dapo_megatron.models.registry import get_arch
 
 # Transformer Engine's spec fuses the pre-attention / dense pre-MLP norms into the next linear.
@@ -207,9 +210,6 @@ _VISION_SHAPES: dict[tuple[str, str], dict[str, tuple[int, ...]]] = {}
 
 
 def _build_vision_tower_shapes(spec) -> dict[str, tuple[int, ...]]:
-    import torch
-
-    from dapo_megatron.models.qwen3_vl import build_vision_tower
     with torch.device("meta"):
         tower = build_vision_tower(spec)
     hf_prefix = next(iter(get_arch(spec.model_type).verbatim.values()))

@@ -6,9 +6,10 @@ import textwrap
 import pytest
 import torch
 
+from dapo_megatron.config.custom_fn import load_custom_fn
 from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.config.schema import OverlongBufferConfig, RewardConfig
-from dapo_megatron.reward.manager import RewardManager, load_custom_fn
+from dapo_megatron.reward.manager import RewardManager
 
 CUSTOM = textwrap.dedent('''
     def compute_score(data_source, solution_str, ground_truth, extra_info=None):
