@@ -4,7 +4,7 @@ this checkout against an earlier commit, one after the other in one run.
     python dev/suite_phases.py [--baseline 37cb238] [--every 2] [--logs DIR]
 
 Runs each tree's own `launch/run_tests.sh` (the README's test command, what CI runs) with this
-checkout's venv: linked into the baseline's worktree, with the set-up stamp its files ask for
+checkout's venv (the tree first on PYTHONPATH): linked into the baseline's worktree, with the set-up stamp its files ask for
 written into the venv for the run (and removed after), so that nothing is installed. Reads
 /proc/stat every `--every` s and stamps each line the command prints. A phase ends at the line
 pytest prints at its end (`N passed ... in S s`); the tests marked `background` (run at idle
@@ -68,8 +68,12 @@ def _run(tree: str, every: float, log: str = "") -> dict:
     sampler.start()
     start = time.time()
     try:
+        # PYTHONPATH: every process of the run imports the tree's own package, also those that do
+        # not start in it (a `ray job submit` job's driver otherwise imports the venv's editable
+        # install: the code of the checkout that set the venv up, whatever the tree)
+        path = os.pathsep.join(p for p in (tree, os.environ.get("PYTHONPATH")) if p)
         proc = subprocess.Popen(["bash", "launch/run_tests.sh"], cwd=tree, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "CI": "true"})
+                                stderr=subprocess.STDOUT, text=True, env={**os.environ, "CI": "true", "PYTHONPATH": path})
         background_end = [None]
 
         def background_alive() -> bool:  # pytest ... -m background ..., a child of the command

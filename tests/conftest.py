@@ -90,6 +90,68 @@ def pytest_collection_modifyitems(config, items):
     items[:] = first + rest
 
 
+# The session's local Ray: a start and a stop cost ~8 s of the two cores, ~12 modules and
+# in-process runs used one each. Started on first use as a run starts its own
+# (driver/placement.init_ray: its host environment, its CPUs for the largest user here: two
+# engines beside the default data plane) and kept for the next module, with tests/e2e on its
+# workers' path (test modules' engine stand-ins are imported by name). A module that needs a
+# Ray of its own (a worker setup hook, set as Ray starts) shuts this one down; the next user
+# starts it again. What a module starts on it, it stops: `local_ray` checks that each module
+# finds every CPU free, and starts a fresh Ray (with a warning naming the leak) when not.
+RAY_CPUS_FREE_WAIT_S = 30.0
+_local_ray: dict = {}  # the GCS address of the Ray `local_ray` started
+
+
+@pytest.fixture(scope="module")
+def local_ray(request):
+    ray = pytest.importorskip("ray")
+    if ray.is_initialized() and ray.get_runtime_context().gcs_address != _local_ray.get("gcs"):
+        ray.shutdown()  # a run's own (one started with no Ray up): not this session's CPUs and path
+    if ray.is_initialized() and not _all_cpus_free(ray):
+        import warnings
+        warnings.warn(f"{request.module.__name__}: the session's Ray still holds CPUs taken before this module "
+                      f"({ray.available_resources().get('CPU', 0):g} of {ray.cluster_resources().get('CPU', 0):g} "
+                      "free): started afresh")
+        ray.shutdown()
+    if not ray.is_initialized():
+        _start_local_ray()
+        _local_ray["gcs"] = ray.get_runtime_context().gcs_address
+    return ray
+
+
+def _all_cpus_free(ray) -> bool:
+    import time
+    deadline = time.monotonic() + RAY_CPUS_FREE_WAIT_S  # actors killed a moment ago give theirs back
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("CPU", 0) >= ray.cluster_resources().get("CPU", 0):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _start_local_ray() -> None:
+    from dapo_megatron.config import load_config
+    from dapo_megatron.driver.placement import init_ray
+    # A local Ray's processes inherit this process's environment as it starts: the run's (host
+    # settings, the data plane's) and tests/e2e on the path reach them; the test process and
+    # what it starts later keep their own, as when each module started a Ray of its own.
+    saved = dict(os.environ)
+    e2e = str(Path(__file__).parent / "e2e")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (e2e, saved.get("PYTHONPATH")) if p)
+    try:
+        init_ray(load_config("quickstart", ["data_plane.storage_units=2"]))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized():
+        ray.shutdown()
+
+
 def build_tool_bundle(root) -> Path:
     """The tests' tool bundle in `root`/tools (a file lock: a second caller waits, then finds it)."""
     from dapo_megatron.assets.build import build_tool_assets

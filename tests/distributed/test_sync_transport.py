@@ -52,14 +52,14 @@ def test_broadcast_wiring_asks_every_engine_to_receive_from_every_sender():
         t.sender(engines, None).send([("w", torch.zeros(1))])
 
 
-def test_object_store_transport_into_an_engine_like_actor():
+def test_object_store_transport_into_an_engine_like_actor(local_ray):
     """The sender puts each bucket in the object store once and every engine's load_weights reads
     it; flush waits for the loads; there is nothing to listen on and no receiver to start. An
     engine that dies mid-sync (its process exits in the second bucket) is reported in `dead` and
     sent nothing more; the others get every bucket."""
-    import ray
     from dapo_megatron.device import get_device
-    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False)
+    ray = local_ray
+    sinks = []
     try:
         @ray.remote(num_cpus=0)
         class Sink:
@@ -94,4 +94,5 @@ def test_object_store_transport_into_an_engine_like_actor():
         with pytest.raises(RuntimeError, match="no receiving side"):
             t.receive(("h", 1), 1, 2, lambda bucket: 0)
     finally:
-        ray.shutdown()
+        for sink in sinks:
+            ray.kill(sink)

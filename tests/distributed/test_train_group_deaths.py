@@ -36,39 +36,31 @@ def _stand_in_rank():
     return StandInRank
 
 
-@pytest.fixture(scope="module")
-def ray_local():
-    import ray
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
-    yield ray
-    ray.shutdown()
-
-
 def _call(ray, plan):
     ranks = [ray.remote(_stand_in_rank()).options(num_cpus=0).remote() for _ in plan]
     group = TrainGroup(ranks)
     return group._all([r.act.remote(what, after) for r, (what, after) in zip(ranks, plan)])
 
 
-def test_a_dead_rank_is_named_while_a_live_one_still_runs(ray_local):
+def test_a_dead_rank_is_named_while_a_live_one_still_runs(local_ray):
     t0 = time.perf_counter()
     with pytest.raises(roles.RoleDied, match=r"^the training rank 1 died: "):
-        _call(ray_local, [("ok", 30.0), ("die", 0.2)])
+        _call(local_ray, [("ok", 30.0), ("die", 0.2)])
     assert time.perf_counter() - t0 < 20  # not after rank 0's 30 s (Ray's get would wait for it)
 
 
-def test_a_dead_rank_comes_with_its_handle_and_rays_reason(ray_local):
+def test_a_dead_rank_comes_with_its_handle_and_rays_reason(local_ray):
     """What driver/recovery.keep_roles decides on: the RoleDied carries the dead rank's handle, and
     Ray's GCS says its process died (WORKER_DIED), not its node; `kill` ends the live ones (as
     ray.kill: RAY_KILL). A call past the ranks' (an engine's receive in a sync) names the engine."""
     from dapo_megatron.driver.recovery import death_reason
-    ranks = [ray_local.remote(_stand_in_rank()).options(num_cpus=0).remote() for _ in range(2)]
+    ranks = [local_ray.remote(_stand_in_rank()).options(num_cpus=0).remote() for _ in range(2)]
     group = TrainGroup(ranks)
     with pytest.raises(roles.RoleDied) as err:
         group._all([ranks[0].act.remote("ok", 0.0), ranks[1].act.remote("die", 0.2)])
     assert err.value.rank is ranks[1]
     assert death_reason(ranks[1], 20.0) == "WORKER_DIED" and death_reason(ranks[0], 0.5) is None
-    engine = ray_local.remote(_stand_in_rank()).options(num_cpus=0).remote()
+    engine = local_ray.remote(_stand_in_rank()).options(num_cpus=0).remote()
     with pytest.raises(roles.RoleDied, match=r"^the rollout engine died: ") as err:
         TrainGroup(ranks[:1])._all([ranks[0].act.remote("ok", 0.0), engine.act.remote("die", 0.2)])
     assert getattr(err.value, "rank", None) is None
@@ -76,22 +68,22 @@ def test_a_dead_rank_comes_with_its_handle_and_rays_reason(ray_local):
     assert death_reason(ranks[0], 20.0) == "RAY_KILL"
 
 
-def test_a_dead_rank_is_named_when_its_peers_error_comes_first(ray_local, monkeypatch):
+def test_a_dead_rank_is_named_when_its_peers_error_comes_first(local_ray, monkeypatch):
     monkeypatch.setattr(workers, "DEATH_GRACE_S", 10.0)
     with pytest.raises(roles.RoleDied, match=r"^the training rank 1 died: "):
-        _call(ray_local, [("raise", 0.0), ("die", 1.0)])
+        _call(local_ray, [("raise", 0.0), ("die", 1.0)])
 
 
-def test_a_ranks_own_error_is_itself_also_from_the_last_call(ray_local, monkeypatch):
+def test_a_ranks_own_error_is_itself_also_from_the_last_call(local_ray, monkeypatch):
     monkeypatch.setattr(workers, "DEATH_GRACE_S", 0.5)
     with pytest.raises(ValueError, match="rank error"):
-        _call(ray_local, [("ok", 0.0), ("raise", 0.5)])
+        _call(local_ray, [("ok", 0.0), ("raise", 0.5)])
     with pytest.raises(ValueError, match="rank error"):
-        _call(ray_local, [("raise", 0.0), ("ok", 0.2)])
-    assert _call(ray_local, [("ok", 0.0), ("fine", 0.1)]) == ["ok", "fine"]
+        _call(local_ray, [("raise", 0.0), ("ok", 0.2)])
+    assert _call(local_ray, [("ok", 0.0), ("fine", 0.1)]) == ["ok", "fine"]
 
 
-def test_a_call_blocked_on_a_dead_peer_ends_naming_it(ray_local, monkeypatch):
+def test_a_call_blocked_on_a_dead_peer_ends_naming_it(local_ray, monkeypatch):
     """The stand-in 'manager' waits forever (as on a dead data plane's ZMQ socket); its peer, a
     stand-in data-plane actor, is killed -9. Without the watch roles.get would never return."""
     import signal
@@ -99,7 +91,7 @@ def test_a_call_blocked_on_a_dead_peer_ends_naming_it(ray_local, monkeypatch):
     from dapo_megatron.driver import recovery
     monkeypatch.setattr(roles, "WATCH_S", 0.2)
     monkeypatch.setattr(recovery, "WATCH_GRACE_S", 1.0)
-    ray = ray_local
+    ray = local_ray
     manager, peer, spare = (ray.remote(_stand_in_rank()).options(num_cpus=0).remote() for _ in range(3))
     pid, _ = ray.get([peer.pid.remote(), spare.pid.remote()])
     watch = recovery.RoleWatch(skip_engines=False)
@@ -119,9 +111,9 @@ def test_a_call_blocked_on_a_dead_peer_ends_naming_it(ray_local, monkeypatch):
         ray.kill(manager)
 
 
-def test_a_role_whose_peer_died_is_not_named_dead(ray_local):
+def test_a_role_whose_peer_died_is_not_named_dead(local_ray):
     """The manager's own call to a peer fails (the peer died): the manager lives, the peer is named."""
-    caller, peer = (ray_local.remote(_stand_in_rank()).options(num_cpus=0).remote() for _ in range(2))
+    caller, peer = (local_ray.remote(_stand_in_rank()).options(num_cpus=0).remote() for _ in range(2))
     with pytest.raises(roles.RoleDied, match=r"^the actor the rollout manager called died: "):
         roles.get("rollout manager", caller.call.remote(peer, "die"))
     assert roles.get("rollout manager", caller.pid.remote()) > 0  # alive

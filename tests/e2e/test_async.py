@@ -63,9 +63,7 @@ def _uniform_checkpoint(tiny_assets, tmp) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_step_off(tiny_assets, tmp_path_factory):
-    import ray
-
+def one_step_off(tiny_assets, tmp_path_factory, local_ray):
     from dapo_megatron.config import load_config
     from dapo_megatron.driver.supervisor import run
     from tests import faults
@@ -79,9 +77,8 @@ def one_step_off(tiny_assets, tmp_path_factory):
     cfg = load_config("quickstart_async", overrides)
     faults.install("rank:update:2")  # the driver, this process, kills the rank in step 2's update
     try:
-        assert run(cfg) == 0
+        assert run(cfg) == 0  # on the session's Ray (tests/conftest.py): its end gives back what it took
     finally:
-        ray.shutdown()
         faults.uninstall()
     return out, [json.loads(line) for line in open(out / "metrics.jsonl")]
 

@@ -16,19 +16,13 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 # tests/distributed/test_weights_dist.py.
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    yield ray
-    ray.shutdown()
-
-
-def test_sync_vl_model_matches_hf_with_images(tiny_vl_model, ray_session):
+def test_sync_vl_model_matches_hf_with_images(tiny_vl_model, local_ray):
     """Qwen3-VL-MoE: the step trains on the engine's responses to image prompts (the vision tower
     moves), the sync's checksums cover the tower and the per-expert tensors under their HF names
     (a mismatch raises), and the engine's log-probs of responses to image prompts equal HF's
     Qwen3-VL on the exported weights (pixel values from the same processor)."""
-    from dapo_megatron.tools.check_sync import DEFAULT_TOL, build_parser, check_sync
+    from dapo_megatron.tools.check_sync import DEFAULT_TOL, build_parser
+    from dapo_megatron.tools.check_sync.run import check_sync
     hf_dir = str(tiny_vl_model)
     args = build_parser().parse_args(["--hf-dir", hf_dir, "--device", "cpu", "--ep", "2"])
     out = check_sync(hf_dir, args)

@@ -18,8 +18,8 @@ TRAIN, GEN = 4, 6
 
 
 @pytest.fixture(scope="module")
-def env(tiny_assets):
-    ray = pytest.importorskip("ray")
+def env(tiny_assets, local_ray):
+    ray = local_ray
     from transformers import AutoTokenizer
 
     from dapo_megatron import dataplane
@@ -29,7 +29,6 @@ def env(tiny_assets):
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_assets / "tokenizer"))
     dataset = PromptDataset([str(tiny_assets / "data" / "train.parquet")], tokenizer, prompt_key="prompt",
                             max_prompt_length=64, truncation="filter", skip_bad_rows=False)
-    ray.init(num_cpus=2 + dataplane.ray_cpus(DataPlaneConfig()), include_dashboard=False, log_to_driver=False)
     handle = dataplane.start(DataPlaneConfig())
     from dapo_megatron.rollout.engine_spec import EngineSpec
     spec = EngineSpec.from_model(str(tiny_assets / "qwen3_moe"), RolloutConfig(enforce_eager=True), dtype="fp32",
@@ -37,8 +36,8 @@ def env(tiny_assets):
     engine = engine_actor(spec, device="cpu", num_cpus=1, data_plane=handle)
     yield dataset, engine, dataplane.connect(handle), handle
     ray.get(engine.shutdown.remote())
+    ray.kill(engine)
     dataplane.stop()
-    ray.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +63,7 @@ def tool_env(env, tool_assets):
     ray.get(engine.num_in_flight.remote())  # started
     yield tokenizer, dataset, engine, env[2]
     ray.get(engine.shutdown.remote())
+    ray.kill(engine)
 
 
 class RecordingSampler:
@@ -309,20 +309,22 @@ class Replacements:
     every death an `EngineHealth` reports and hands it over (the real driver also pushes the
     trainer's weights into it; here every engine holds the same HF weights)."""
 
-    def __init__(self, spec, plane_handle):
-        self.spec, self.plane_handle = spec, plane_handle
-        self.started, self.deaths, self.idle = [], [], []  # idle: a previous test's replacement
+    def __init__(self, spec, plane_handle, spares: int):
+        from dapo_megatron.rollout.actor import engine_actor
+        self.deaths, self.idle = [], []  # idle: a previous test's replacement
+        # every spare the module's tests take, starting at once: their start-ups (~15 s of a core
+        # each) overlap each other and the tests, instead of one after another on the critical path
+        self.started = [engine_actor(spec, device="cpu", num_cpus=0, data_plane=plane_handle, name=f"spare-{i}")
+                        for i in range(spares)]
+        self.spares = list(self.started)
 
     def start(self):
         import ray
-
-        from dapo_megatron.rollout.actor import engine_actor
         if self.idle:
             return self.idle.pop()
-        e = engine_actor(self.spec, device="cpu", num_cpus=0, data_plane=self.plane_handle,
-                         name=f"spare-{len(self.started)}")
+        assert self.spares, "every spare engine taken: raise the fixture's `spares`"
+        e = self.spares.pop(0)
         ray.get(e.num_in_flight.remote())
-        self.started.append(e)
         return e
 
     def serve(self, health):
@@ -345,7 +347,8 @@ def replacements(env, tiny_assets):
     from dapo_megatron.rollout.engine_spec import EngineSpec
     spec = EngineSpec.from_model(str(tiny_assets / "qwen3_moe"), RolloutConfig(enforce_eager=True), dtype="fp32",
                                  max_model_len=512)
-    out = Replacements(spec, env[3])
+    # the killed-engine test's victim and its replacement, the hung-engine test's replacement
+    out = Replacements(spec, env[3], spares=3)
     yield out
     for e in out.started:
         ray.kill(e)

@@ -60,22 +60,17 @@ class FakeEngine:
 
 
 @pytest.fixture(scope="module")
-def plane_env(tiny_assets, tmp_path_factory):
-    ray = pytest.importorskip("ray")
+def plane_env(tiny_assets, tmp_path_factory, local_ray):
     from dapo_megatron import dataplane
     from dapo_megatron.config.schema import DapoConfig, DataPlaneConfig
     from dapo_megatron.rollout.reward_worker import RewardWorker
-    # FakeEngine is defined here: Ray's workers import this module by name
-    here = os.path.dirname(os.path.abspath(__file__))
-    path = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH", "")) if p)
-    ray.init(num_cpus=2 + dataplane.ray_cpus(DataPlaneConfig()), include_dashboard=False, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": path}})
+    # FakeEngine is defined here: Ray's workers import this module by name (the session's Ray has
+    # tests/e2e on their path: tests/conftest.py)
     handle = dataplane.start(DataPlaneConfig())
     reward = RewardWorker(DapoConfig(), str(tiny_assets / "tokenizer"), handle)  # the manager's, in this process
     yield handle, dataplane.connect(handle), reward
     reward.close()
     dataplane.stop()
-    ray.shutdown()
 
 
 def _items(n, length=300):
@@ -452,13 +447,13 @@ def test_rollout_manager_reproduces_the_drivers_batches_and_resumes_exactly(plan
         plane.clear(out[0].partition)  # the trainer's part
         return out
 
-    first = manager()
+    # both started at once: the resumed one's process start-up (~10 s here) overlaps the first's steps
+    first, resumed = manager(), manager()
     got = [batch(first, 1)]
     state = ray.get(first.state_dict.remote())
     got += [batch(first, 2), batch(first, 3)]
     # what a checkpoint saves while step 2's batch waits untrained (trainer.mode=one_step_off)
     assert ray.get(first.state_dict.remote(2)) == state
-    resumed = manager()
     ray.get(resumed.load_state_dict.remote(state))
     again = [batch(resumed, 2), batch(resumed, 3)]
     want = _inline_batches(cfg, [engine()], Items(24), reward, plane, [1, 2, 3])

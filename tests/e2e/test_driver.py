@@ -64,15 +64,23 @@ def _main(overrides, env, timeout=600) -> subprocess.CompletedProcess:
     return subprocess.run([*MAIN, *overrides], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def _run_here(cfg) -> int:
-    """`driver.supervisor.run` in this process, Ray shut down after it (a failed run leaves actors)."""
+def _run_here(cfg, own_ray: bool = False) -> int:
+    """`driver.supervisor.run` in this process, on the session's Ray (`local_ray`: the run's end
+    gives back what it took) or on a Ray of its own (`own_ray`: one its worker setup hook is set
+    in as it starts), shut down after it; Ray goes with a failed run too (it leaves actors)."""
     import ray
 
     from dapo_megatron.driver.supervisor import run
-    try:
-        return run(cfg)
-    finally:
+    if own_ray:
         ray.shutdown()
+    try:
+        code = run(cfg)
+    except BaseException:
+        ray.shutdown()
+        raise
+    if own_ray:
+        ray.shutdown()
+    return code
 
 
 def _long_prompt_data(tiny_assets, out_dir) -> str:
@@ -148,7 +156,7 @@ def chunked(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
     # replacement's sync instead)
     faults.install("engine:collect:2", "engine:sync:1")
     try:
-        assert _run_here(cfg) == 0
+        assert _run_here(cfg, own_ray=True) == 0
     finally:
         signal.signal(signal.SIGTERM, previous)
         faults.uninstall()
@@ -165,7 +173,7 @@ TP2 = {"actor.parallel.tp": 2, "actor.parallel.ep": 1, "actor.parallel.etp": 2,
 
 
 @pytest.fixture(scope="module")
-def tp2_killed(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
+def tp2_killed(tiny_assets, long_prompts, tmp_path_factory, local_ray) -> Finished:
     """TP2 (DP1) on the same prompts, its engine killed once step 1's checkpoint is published."""
     import threading
     import time

@@ -96,7 +96,7 @@ def _push(engine, state_dict):
 def test_greedy_and_logprobs_match_hf(setup):
     from torch._dynamo.utils import counters
 
-    from dapo_megatron.tools.check_sync import hf_logprobs
+    from dapo_megatron.tools.check_sync.run import hf_logprobs
     engine, model = setup["engine"], setup["models"]["A"]
     compiled = counters["stats"]["unique_graphs"]
     groups = _greedy(engine)
@@ -129,7 +129,8 @@ def test_check_sync_catches_the_moe_repack_bug(setup, monkeypatch):
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
     from dapo_megatron.rollout.types import Sampling
-    from dapo_megatron.tools.check_sync import DEFAULT_TOL, max_logprob_diff
+    from dapo_megatron.tools.check_sync import DEFAULT_TOL
+    from dapo_megatron.tools.check_sync.run import max_logprob_diff
     if setup["shape"] != "qwen3_moe":
         pytest.skip("the repack bug concerns MoE experts (at intermediate 48 the unfixed push fails outright)")
     engine, sds, hf_b = setup["engine"], setup["state_dicts"], setup["models"]["B"]
@@ -190,7 +191,7 @@ def test_a_push_mid_generation_gives_the_response_two_versions(setup):
     after by B over the whole context (the running request's KV is recomputed); the engine's
     record says which, and each span's log-probs are its own version's."""
     from dapo_megatron.rollout.types import Sampling
-    from dapo_megatron.tools.check_sync import hf_logprobs
+    from dapo_megatron.tools.check_sync.run import hf_logprobs
     engine, sds, models = setup["engine"], setup["state_dicts"], setup["models"]
     engine.update_weights(_buckets(sds["A"]))
     v0, long = engine.version, Sampling(temperature=1.0, max_tokens=300, seed=5, ignore_eos=True)
@@ -223,7 +224,8 @@ def _poll_all(engine, count, timeout=60.0):
 def test_abort_half_of_the_requests(setup):
     from dapo_megatron.rollout.types import Sampling
     engine = setup["engine"]
-    long = Sampling(temperature=1.0, max_tokens=900, seed=3)
+    # 300 tokens: ~4 s for the four left to finish here, >10x what 0.3 s generates (900 took 12-15 s a shape)
+    long = Sampling(temperature=1.0, max_tokens=300, seed=3)
     for i in range(8):
         engine.submit(f"abort-{i}", Prompt((5 + i, 6, 7)), long, index=i)
     time.sleep(0.3)  # let every request generate some tokens
@@ -236,9 +238,9 @@ def test_abort_half_of_the_requests(setup):
         g = groups[f"abort-{i}"]
         assert len(g.responses[0]) == len(g.rollout_logprobs[0])
         if i < 4:
-            assert g.finish_reasons == ["abort"] and 0 < len(g.responses[0]) < 900
+            assert g.finish_reasons == ["abort"] and 0 < len(g.responses[0]) < long.max_tokens
         else:
-            assert g.finish_reasons == ["length"] and len(g.responses[0]) == 900
+            assert g.finish_reasons == ["length"] and len(g.responses[0]) == long.max_tokens
 
 
 def test_n_samples_are_distinct_and_reproducible(setup):

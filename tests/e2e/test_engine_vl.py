@@ -90,7 +90,7 @@ def _max_diff_to_hf(path, processor, prompts, groups) -> float:
     """max |rollout_logprobs - HF| over all responses: HF on the engine's expanded prompt + the
     response, with pixel values and grids of the shared processor (check_sync's comparison)."""
     from dapo_megatron.models import ModelSpec
-    from dapo_megatron.tools.check_sync import hf_model, max_logprob_diff
+    from dapo_megatron.tools.check_sync.run import hf_model, max_logprob_diff
     pixels = [dict(processor.image_processor(images=list(p.images), return_tensors="pt")) if p.images else None
               for p in prompts]  # the processor's own, apart from the engine's
     return max_logprob_diff(groups, hf_model(path, ModelSpec.from_pretrained(path)), pixels)

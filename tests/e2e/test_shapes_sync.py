@@ -21,16 +21,10 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def ray_session():
-    ray = pytest.importorskip("ray")
-    yield ray
-    ray.shutdown()
-
-
 @pytest.mark.parametrize("shape", list(LAYOUTS))
-def test_sync_then_engine_matches_hf(shape, shape_model, ray_session):
-    from dapo_megatron.tools.check_sync import DEFAULT_TOL, build_parser, check_sync
+def test_sync_then_engine_matches_hf(shape, shape_model, local_ray):
+    from dapo_megatron.tools.check_sync import DEFAULT_TOL, build_parser
+    from dapo_megatron.tools.check_sync.run import check_sync
     hf_dir = shape_model(shape)
     args = build_parser().parse_args(["--hf-dir", hf_dir, "--device", "cpu", "--rollout-tp", "2",
                                       "--prompt-len", str(PROMPT_LEN), *LAYOUTS[shape]])

@@ -13,7 +13,7 @@ from tests.doc_runs import doc_args
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
-def test_tools_quickstart_two_steps_early_stop(tool_assets, tmp_path, capsys):
+def test_tools_quickstart_two_steps_early_stop(tool_assets, tmp_path, capsys, local_ray):
     from dapo_megatron.main import main
     out = tmp_path / "run"
     overrides = {
@@ -26,11 +26,7 @@ def test_tools_quickstart_two_steps_early_stop(tool_assets, tmp_path, capsys):
         "trainer.logger": "[console,jsonl]",
         # CISPO with token-level truncated importance weights: the loss table's REINFORCE-style row
         "actor.policy_loss": "cispo", "actor.rollout_correction.is_level": "token"}
-    import ray
-    try:
-        assert main([*doc_args("python -m dapo_megatron.main --config-name quickstart_tools"), *[f"{k}={v}" for k, v in overrides.items()]]) == 0
-    finally:
-        ray.shutdown()
+    assert main([*doc_args("python -m dapo_megatron.main --config-name quickstart_tools"), *[f"{k}={v}" for k, v in overrides.items()]]) == 0
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = [r for r in rows if "rollout/turns_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]

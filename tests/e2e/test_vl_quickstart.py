@@ -29,19 +29,14 @@ def _overrides(model, data, out, steps: int, mode: str) -> list[str]:
     return [f"{k}={v}" for k, v in overrides.items()]
 
 
-def test_vl_quickstart_sync_then_resume_early_stop(tiny_vl_model, geo3k_data, tmp_path):
-    import ray
-
+def test_vl_quickstart_sync_then_resume_early_stop(tiny_vl_model, geo3k_data, tmp_path, local_ray):
     from dapo_megatron.main import main
     out = tmp_path / "run"
-    try:
-        # The resume runs in this process on the Ray the first run started, as a notebook's second
-        # run does: the first run's end gave back its placement group, actors and data plane.
-        for steps, mode in ((2, "sync"), (3, "early_stop")):
-            assert main([*doc_args("python -m dapo_megatron.main --config-name quickstart_vl"), *_overrides(tiny_vl_model, geo3k_data, out, steps, mode)]) == 0
-            assert ray.is_initialized()
-    finally:
-        ray.shutdown()
+    # Both runs in this process on the session's Ray (tests/conftest.py), as a notebook's second
+    # run does: the first run's end gave back its placement group, actors and data plane.
+    for steps, mode in ((2, "sync"), (3, "early_stop")):
+        assert main([*doc_args("python -m dapo_megatron.main --config-name quickstart_vl"), *_overrides(tiny_vl_model, geo3k_data, out, steps, mode)]) == 0
+        assert local_ray.is_initialized()
     rows = [json.loads(line) for line in open(out / "metrics.jsonl")]
     steps = [r for r in rows if "actor/grad_norm" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]  # the third step resumed from step 2's checkpoint
