@@ -4,14 +4,14 @@ this checkout against an earlier commit, one after the other in one run.
     python dev/suite_phases.py [--baseline 37cb238] [--every 2] [--logs DIR]
 
 Runs each tree's own `launch/run_tests.sh` (the README's test command, what CI runs) with this
-checkout's venv (the tree first on PYTHONPATH): linked into the baseline's worktree, with the set-up stamp its files ask for
-written into the venv for the run (and removed after), so that nothing is installed. Reads
-/proc/stat every `--every` s and stamps each line the command prints. A phase ends at the line
-pytest prints at its end (`N passed ... in S s`); the tests marked `background` (run at idle
-priority beside the phases since 9769318) end when their pytest process does. Prints per run:
-each phase's wall time and the share of the two cores busy in it, the background tests' end,
-the total. A CPU-bound machine shows in the busy share; the end-to-end phase's idle third is what
-the background tests take. `--logs`: each run's output (its per-phase slowest tests) saved there.
+checkout's venv, the tree first on PYTHONPATH: linked into the baseline's worktree, with the set-up
+stamp its files ask for written into the venv for the run (and removed after), so that nothing is
+installed. Reads /proc/stat every `--every` s and stamps each line the command prints. A phase ends
+at the line pytest prints at its end (`N passed ... in S s`); the tests marked `background` (run at
+idle priority beside the phases since 9769318) end when their pytest process does. Prints per run:
+each phase's wall time and the share of the two cores busy in it, the background tests' end, the
+total. A CPU-bound machine shows in the busy share; the end-to-end phase's idle third is what the
+background tests take. `--logs`: each run's output (its per-phase slowest tests) saved there.
 """
 from __future__ import annotations
 
