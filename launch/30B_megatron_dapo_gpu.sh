@@ -8,13 +8,15 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 RAY_DASHBOARD="${RAY_DASHBOARD:-http://127.0.0.1:8265}"
+source launch/ray_cli.sh
+ray_cli
 NNODES="${NNODES:-2}"
 CONFIG="${CONFIG:-qwen3_30b_a3b_megatron_gpu}"
 MODEL="${MODEL:-$PWD/models/Qwen3-30B-A3B-Base}"
 TRAIN="${TRAIN:-$PWD/data/dapo-math-17k.parquet}"
 VAL="${VAL:-$PWD/data/aime-2024.parquet}"
 
-ray job submit --address "$RAY_DASHBOARD" \
+"$RAY" job submit --address "$RAY_DASHBOARD" \
   --runtime-env-json '{"working_dir": ".", "env_vars": {"HF_HUB_OFFLINE": "1", "NCCL_CUMEM_ENABLE": "0"}}' -- \
   python -m dapo_megatron.main --config-name "$CONFIG" \
     trainer.nnodes="$NNODES" model.path="$MODEL" "data.train_files=[$TRAIN]" "data.val_files=[$VAL]" "$@"

@@ -9,6 +9,8 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
 RAY_DASHBOARD="${RAY_DASHBOARD:-http://127.0.0.1:8265}"
+source launch/ray_cli.sh
+ray_cli
 CONFIG="${CONFIG:-qwen3_30b_a3b_megatron_npu}"
 MODEL="${MODEL:-$PWD/models/Qwen3-30B-A3B-Base}"
 TRAIN="${TRAIN:-$PWD/data/dapo-math-17k.parquet}"
@@ -35,7 +37,7 @@ JSON
 EXTRA=""
 if (($#)); then EXTRA=$(printf '%q ' "$@"); fi
 
-ray job submit --address "$RAY_DASHBOARD" --runtime-env-json "$ENV_JSON" -- \
+"$RAY" job submit --address "$RAY_DASHBOARD" --runtime-env-json "$ENV_JSON" -- \
   bash -c "source ${ASCEND}/ascend-toolkit/set_env.sh && source ${ASCEND}/nnal/atb/set_env.sh && \
   python -m dapo_megatron.main --config-name ${CONFIG} \
     model.path=${MODEL} 'data.train_files=[${TRAIN}]' 'data.val_files=[${VAL}]' ${EXTRA}"

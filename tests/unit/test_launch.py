@@ -1,9 +1,13 @@
 """The 30B launch scripts: valid bash, and each submits its own shipped config with `ray job
-submit` (a stand-in `ray` on PATH records the command line; nothing is started)."""
+submit` (a stand-in `ray` on PATH records the command line, a listening socket stands in for the
+cluster's dashboard; nothing is started). With no `ray` to be found, or no cluster at the
+address, a script says so in one line."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 from pathlib import Path
 
@@ -25,18 +29,35 @@ SCRIPTS = {
 ASCEND_ENV = ("LD_PRELOAD", "VLLM_USE_V1", "HCCL_CONNECT_TIMEOUT", "VLLM_ASCEND_ENABLE_NZ", "USE_OPTIMIZED_MODEL")
 
 
-def _submit(script: str, tmp_path: Path, *overrides: str, **env: str) -> list[str]:
-    """Run a launch script with a stand-in `ray`; returns the arguments `ray` was called with."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir(exist_ok=True)
-    record = tmp_path / "ray_args.json"
+def _fake_ray(bin_dir: Path, record: Path) -> None:
+    bin_dir.mkdir(parents=True, exist_ok=True)
     fake = bin_dir / "ray"
     fake.write_text(f"#!/usr/bin/env python3\nimport json, sys\njson.dump(sys.argv[1:], open({str(record)!r}, 'w'))\n")
     fake.chmod(0o755)
-    env = {**{k: v for k, v in os.environ.items() if k not in ("CONFIG", "MODEL", "TRAIN", "VAL", "DATA_DIR")},
-           "PATH": f"{bin_dir}:{os.environ['PATH']}", **env}
-    proc = subprocess.run(["bash", str(LAUNCH / script), *overrides], env=env, capture_output=True, text=True,
+
+
+@contextlib.contextmanager
+def _dashboard():
+    """A listening socket at the address the scripts check: RAY_DASHBOARD for the run."""
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+def _run(script: str, *overrides: str, **env: str) -> subprocess.CompletedProcess:
+    env = {**{k: v for k, v in os.environ.items() if k not in ("CONFIG", "MODEL", "TRAIN", "VAL", "DATA_DIR")}, **env}
+    return subprocess.run(["bash", str(LAUNCH / script), *overrides], env=env, capture_output=True, text=True,
                           timeout=60)
+
+
+def _submit(script: str, tmp_path: Path, *overrides: str, **env: str) -> list[str]:
+    """Run a launch script with a stand-in `ray`; returns the arguments `ray` was called with."""
+    record = tmp_path / "ray_args.json"
+    _fake_ray(tmp_path / "bin", record)
+    with _dashboard() as address:
+        proc = _run(script, *overrides, **{"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}",
+                                           "RAY_DASHBOARD": address, **env})
     assert proc.returncode == 0, proc.stderr
     return json.loads(record.read_text())
 
@@ -74,3 +95,39 @@ def test_npu_launch_keeps_an_override_with_spaces_one_argument(tmp_path):
     words = subprocess.run(["bash", "-c", f"set -- {inner[2].split('python -m dapo_megatron.main', 1)[1]}; "
                             'printf "%s\\n" "$@"'], capture_output=True, text=True, check=True).stdout.splitlines()
     assert words[-2:] == ["trainer.experiment_name=run a", "trainer.save_freq=5"], words
+
+
+# PATH without the venv's bin: the system's tools only (bash, timeout, coreutils), no `ray`
+SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def test_the_venvs_ray_is_found_when_the_venv_is_not_active(tmp_path):
+    """Was: `ray: command not found` outside the venv."""
+    assert subprocess.run(["bash", "-c", "command -v ray"], env={"PATH": SYSTEM_PATH}).returncode != 0
+    record = tmp_path / "ray_args.json"
+    _fake_ray(tmp_path / "venv" / "bin", record)
+    with _dashboard() as address:
+        proc = _run("30B_megatron_dapo_gpu.sh", PATH=SYSTEM_PATH, VENV=str(tmp_path / "venv"), RAY_DASHBOARD=address)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(record.read_text())[:2] == ["job", "submit"]
+
+
+def test_no_ray_to_be_found_is_one_line(tmp_path):
+    proc = _run("30B_megatron_dapo_npu.sh", PATH=SYSTEM_PATH, VENV=str(tmp_path / "none"))
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith("error: no `ray` on PATH") and "launch/setup_env.sh" in line, line
+
+
+@pytest.mark.parametrize("script", ["30B_megatron_dapo_gpu.sh", "30B_megatron_dapo_npu.sh"])
+def test_no_cluster_at_the_address_is_one_line(script, tmp_path):
+    """Was: Ray's 15-line ConnectionError traceback from `ray job submit`. Nothing listens on a port
+    just closed; the stand-in `ray` is never called."""
+    record = tmp_path / "ray_args.json"
+    _fake_ray(tmp_path / "bin", record)
+    with _dashboard() as address:
+        pass
+    proc = _run(script, PATH=f"{tmp_path / 'bin'}:{os.environ['PATH']}", RAY_DASHBOARD=address)
+    assert proc.returncode == 2 and not record.exists(), proc
+    (line,) = proc.stderr.splitlines()
+    assert line.startswith(f"error: no Ray cluster answers at RAY_DASHBOARD={address}") and "ray start --head" in line
