@@ -20,15 +20,18 @@ SINGLE = "model.safetensors"
 
 HF_SUBDIR = "hf"  # config + tokenizer files inside a Megatron checkpoint dir (what export needs)
 MODEL_FILES = ("config.json", "generation_config.json")
+# A vision-language model's processor: without it vLLM and AutoProcessor cannot load the export.
+PROCESSOR_FILES = ("preprocessor_config.json", "video_preprocessor_config.json", "processor_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                    "tokenizer.model", "added_tokens.json", "chat_template.jinja", "chat_template.json")
 
 
 def copy_hf_files(model_dir: str, dst: str, tokenizer_dir: str | None = None) -> None:
     """The few kB an HF folder needs besides its weights: the model's config and generation config,
-    and the tokenizer (from `tokenizer_dir` when the model keeps none) with its chat template."""
+    a vision-language model's processor config, and the tokenizer (from `tokenizer_dir` when the
+    model keeps none) with its chat template."""
     os.makedirs(dst, exist_ok=True)
-    sources = [(model_dir, MODEL_FILES + TOKENIZER_FILES)] + ([(tokenizer_dir, TOKENIZER_FILES)] if tokenizer_dir else [])
+    sources = [(model_dir, MODEL_FILES + PROCESSOR_FILES + TOKENIZER_FILES)] + ([(tokenizer_dir, TOKENIZER_FILES)] if tokenizer_dir else [])
     for src, names in sources:
         for name in names:
             if os.path.exists(os.path.join(src, name)):

@@ -81,3 +81,16 @@ def test_the_driver_counts_prompt_images_with_the_models_processor(vl_dir, tmp_p
     (broken / "preprocessor_config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="model.tokenizer_path .*no_processor: cannot load the image processor"):
         image_token_counter(spec, str(broken), "model.tokenizer_path")
+
+
+def test_what_an_export_copies_loads_the_same_processor(vl_dir, tmp_path):
+    """A training checkpoint's hf/ folder and `convert mcore-to-hf`'s export take the model's files
+    through copy_hf_files: a VL model's processor config among them (was: left behind, so that
+    neither vLLM nor AutoProcessor loaded the export)."""
+    from dapo_megatron.device.vision import load_processor
+    from dapo_megatron.weights.hf_io import copy_hf_files
+    copy_hf_files(str(vl_dir), str(tmp_path / "hf"))
+    assert not (tmp_path / "hf" / "model.safetensors").exists()  # the weights are the converter's to write
+    copied, original = load_processor(str(tmp_path / "hf")), load_processor(str(vl_dir))
+    assert copied.image_processor.to_dict() == original.image_processor.to_dict()
+    assert copied.tokenizer.chat_template == original.tokenizer.chat_template
