@@ -83,6 +83,9 @@ def load(args):
     os.makedirs(out, exist_ok=True)
     model = resolve_model(args.model, out)
     spec = ModelSpec.from_pretrained(model)
+    fitted = fit_lengths(cfg, spec, args.overrides, from_run=run_config is not None)
+    if fitted:
+        print(fitted, file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(model)
     files = [resolve_asset_path(f) for f in (args.data if args.data is not None else cfg.data.val_files)]
     if not files:
@@ -97,7 +100,39 @@ def load(args):
             setattr(v, key, value)
     if v.n < 1:
         raise ConfigError("--n", f"--n must be >= 1, got {v.n}")
+    if v.n > 1 and v.temperature == 0:
+        print(f"note: greedy decoding (rollout.val_kwargs.temperature=0): the {v.n} samples of a prompt are one "
+              f"sample {v.n} times, so avg@k = pass@k = maj@k; pass --temperature 1.0 to sample", file=sys.stderr)
     return cfg, model, out, tokenizer, data, files
+
+
+LENGTH_KEYS = ("data.max_prompt_length", "data.max_response_length")
+
+
+def fit_lengths(cfg, spec: ModelSpec, overrides: list[str], from_run: bool) -> str | None:
+    """Prompt + response within the model's max_position_embeddings (vLLM refuses a longer
+    context after a minute of start-up). A config's defaults (dapo.yaml: 2048 + 20480) shrink to
+    fit, the prompt to at most half; lengths the user set, or the checkpoint's run trained with,
+    are refused in one line naming the key. Returns the line that says what was fitted, if any."""
+    d, max_pos = cfg.data, spec.max_position_embeddings
+    total = d.max_prompt_length + d.max_response_length
+    if max_pos is None or total <= max_pos:
+        return None
+    named = [k for k in LENGTH_KEYS if any(o.lstrip("+").split("=", 1)[0] == k for o in overrides)]
+    if named or from_run:
+        key = named[-1] if named else "data.max_response_length"
+        raise ConfigError(key, f"{key}: data.max_prompt_length + data.max_response_length = {total} exceeds the "
+                               f"model's max_position_embeddings ({max_pos}); ask for fewer tokens")
+    before = d.max_response_length
+    d.max_prompt_length = min(d.max_prompt_length, max_pos // 2)
+    d.max_response_length = max_pos - d.max_prompt_length
+    buffer, shaped = cfg.reward.overlong_buffer, ""
+    if buffer.enable and buffer.len > d.max_response_length:  # its share of the response kept (validation's rule)
+        buffer.len = max(1, buffer.len * d.max_response_length // before)
+        shaped = f" (reward.overlong_buffer.len={buffer.len}, the same share of it)"
+    return (f"lengths: data.max_prompt_length={d.max_prompt_length} + data.max_response_length="
+            f"{d.max_response_length}{shaped}, fitted to the model's max_position_embeddings ({max_pos}); set them "
+            f"to choose")
 
 
 def generate(cfg, model: str, out: str, tokenizer, data, engines: int, batch: int) -> list:

@@ -41,3 +41,39 @@ def test_summary_per_source_and_overall():
 def test_an_unknown_tiny_name_is_one_error_line(path, tmp_path, capsys):
     assert evaluate.main(["--model", path, "--out", str(tmp_path)]) == 2
     assert capsys.readouterr().err.startswith("error:")
+
+
+def _load(argv, capsys):
+    from dapo_megatron.evaluate.run import load
+    cfg, *_ = load(evaluate.parse_args(argv))
+    return cfg, capsys.readouterr().err.strip().splitlines()
+
+
+def test_a_configs_lengths_fit_the_model_and_say_so(tiny_assets, tmp_path, capsys):
+    """Was: dapo.yaml's 2048 + 20480 tokens on a 1024-position model, and vLLM's pydantic traceback
+    a minute later. A user's own lengths beyond the model stop in one line naming the key."""
+    argv = ["--model", str(tiny_assets / "qwen3_moe"), "--data", str(tiny_assets / "data" / "val.parquet"),
+            "--out", str(tmp_path / "out")]
+    cfg, err = _load(argv, capsys)  # -cn dapo, the default
+    assert (cfg.data.max_prompt_length, cfg.data.max_response_length) == (512, 512)
+    assert cfg.reward.overlong_buffer.enable and cfg.reward.overlong_buffer.len == 4096 * 512 // 20480
+    assert err == ["lengths: data.max_prompt_length=512 + data.max_response_length=512 (reward.overlong_buffer.len="
+                   "102, the same share of it), fitted to the model's max_position_embeddings (1024); set them to "
+                   "choose"], err
+    argv += ["reward.overlong_buffer.len=100"]
+    assert evaluate.main([*argv, "data.max_prompt_length=256", "data.max_response_length=1000"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: data.max_response_length: data.max_prompt_length + data.max_response_length = 1256 "
+                           "exceeds the model's max_position_embeddings (1024)"), line
+    cfg, err = _load([*argv, "data.max_prompt_length=256", "data.max_response_length=768"], capsys)
+    assert (cfg.data.max_prompt_length, cfg.data.max_response_length, err) == (256, 768, [])
+
+
+def test_n_samples_of_greedy_decoding_say_they_are_one(tiny_assets, tmp_path, capsys):
+    """Was: avg@4 = pass@4 = maj@4 printed with nothing saying the quickstart's validation is greedy."""
+    argv = ["--model", str(tiny_assets / "qwen3_moe"), "--data", str(tiny_assets / "data" / "val.parquet"),
+            "--out", str(tmp_path / "out"), "-cn", "quickstart"]
+    _, err = _load([*argv, "--n", "4"], capsys)
+    assert len(err) == 1 and err[0].startswith("note: greedy decoding") and "--temperature 1.0" in err[0], err
+    assert _load([*argv, "--n", "4", "--temperature", "1.0"], capsys)[1] == []
+    assert _load(argv, capsys)[1] == []  # n = 1: nothing to say
