@@ -295,6 +295,23 @@ def _start_from(hf_dir: str, parallel: dict, path: str, hf_actor) -> dict:
     return out
 
 
+def _training_state(actor) -> list:
+    """Every tensor of the actor's training state, found by walking Megatron's own objects (DDP's
+    flat buffers, the parameters and their main grads, the distributed optimizer's shards, Adam's
+    state) rather than the offloader's group tables: what an offload must release."""
+    out = []
+    for chunk in actor.model:  # not `actor.chunks`: it refuses while the params are offloaded
+        for buffer in list(chunk.buffers) + list(chunk.expert_parallel_buffers):
+            out += [t for t in (buffer.param_data, buffer.grad_data) if t is not None]
+        for p in chunk.parameters():
+            out += [p] + ([p.main_grad] if getattr(p, "main_grad", None) is not None else [])
+    for opt in getattr(actor.optimizer, "chained_optimizers", [actor.optimizer]):
+        for name in ("shard_fp32_from_float16_groups", "shard_fp32_groups", "shard_float16_groups"):
+            out += [t for group in getattr(opt, name, None) or [] for t in group if t is not None]
+        out += [v for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return out
+
+
 def offload_job(hf_dir: str, parallel: dict, dtype: str, root: str) -> bytes:
     """Two identical actors take the same two steps; between them one offloads its params, grads
     and optimizer state to host memory and loads them back. Returns both actors' weights, optimizer
@@ -312,6 +329,9 @@ def offload_job(hf_dir: str, parallel: dict, dtype: str, root: str) -> bytes:
     out = {"metrics": [[_train_step(a, 1)] for a in (kept, moved)], "state": state_bytes(kept)}
     moved.offload(list(GROUPS))
     out["held"] = {g: [s.nbytes() for s in moved.offloader.held(g)] for g in GROUPS}
+    state = _training_state(moved)
+    out["state_tensors"] = len(state)
+    out["unreleased"] = [(tuple(t.shape), t.dtype) for t in state if t.untyped_storage().nbytes()]
     try:
         _train_step(moved, 2)
     except RuntimeError as e:

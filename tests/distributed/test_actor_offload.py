@@ -28,6 +28,9 @@ def test_offloaded_storages_are_released(ranks):
     for rank, res in enumerate(ranks):
         for group, sizes in res["held"].items():
             assert sizes and all(n == 0 for n in sizes), f"rank {rank} {group}: {sizes}"
+        # ...and every tensor of the training state was among them (was: only the storages the
+        # offloader listed were checked, so a tensor its tables missed went unseen)
+        assert res["state_tensors"] > 0 and res["unreleased"] == [], f"rank {rank}: {res['unreleased']}"
         assert "offloaded" in res["offloaded_error"] and "onload" in res["offloaded_error"]
         assert res["ref_held"] and all(n == 0 for n in res["ref_held"])  # ref.offload: built, then offloaded
         assert res["ref_held_after"] and all(n == 0 for n in res["ref_held_after"])  # ...and after each use

@@ -34,17 +34,29 @@ def test_wandb_missing_is_a_warning(tmp_path, monkeypatch):
         MetricsLogger(str(tmp_path), ["wandb"]).close()
 
 
-def test_curves_mark_the_runs_events(tmp_path):
-    """A restart (events.jsonl) is a dashed line on every panel of curves.png."""
+def test_curves_mark_the_runs_events(tmp_path, monkeypatch):
+    """A restart (events.jsonl) is a dashed line on every panel of curves.png, during the step
+    after the last one logged before it (the figures are read as they are saved; was: the two
+    PNGs' bytes differ)."""
+    from matplotlib.figure import Figure
+    saved, savefig = [], Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **kw: (saved.append(fig), savefig(fig, *a, **kw))[1])
+
+    def dashed(fig) -> list:
+        return [[(list(line.get_xdata()), line.get_label()) for line in ax.get_lines() if line.get_linestyle() == "--"]
+                for ax in fig.axes]
     log = MetricsLogger(str(tmp_path), ["jsonl"])
     for step in range(1, 5):
         log.log(step, {"reward/mean": 0.1 * step, "acc/mean": 0.5})
-    plain = open(log.plot(), "rb").read()
+    log.plot()
     write_event(str(tmp_path), "restart", what="the actor died", step=2, checkpoint=None, restart=1)
-    marked = open(log.plot(), "rb").read()
+    path = log.plot()
     log.close()
     assert json.loads(open(tmp_path / "events.jsonl").read())["step"] == 2
-    assert marked != plain and marked[:8] == b"\x89PNG\r\n\x1a\n"
+    plain, marked = saved
+    assert len(marked.axes) > 1 and dashed(plain) == [[]] * len(plain.axes)
+    assert dashed(marked) == [[([2.5, 2.5], "restart")]] * len(marked.axes)
+    assert open(path, "rb").read()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_a_save_does_not_wait_for_the_curves(tmp_path, monkeypatch):
