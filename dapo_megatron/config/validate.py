@@ -348,6 +348,12 @@ def check_model(cfg: DapoConfig, spec: ModelSpec) -> None:
              f"multiple of the key-value heads ({kv})")
     _check_router_replay(cfg, spec, engine)
     _check_vision(cfg, spec, roles)
+    check_lengths_fit(cfg, spec)
+
+
+def check_lengths_fit(cfg: DapoConfig, spec: ModelSpec) -> None:
+    """Prompt + response within the model's max_position_embeddings: the engines refuse a longer
+    context (vLLM after a minute of start-up). Also `evaluate`'s rule for lengths a user set."""
     max_pos = spec.max_position_embeddings
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
     _require(max_pos is None or total <= max_pos, "data.max_response_length",

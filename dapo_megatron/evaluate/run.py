@@ -14,7 +14,7 @@ from tqdm import tqdm
 from transformers import AutoTokenizer
 
 from dapo_megatron.assets import resolve_asset_path
-from dapo_megatron.config import ConfigError, load_config, load_run_config
+from dapo_megatron.config import ConfigError, check_lengths_fit, load_config, load_run_config
 from dapo_megatron.convert.run import mcore_to_hf
 from dapo_megatron.convert.usage import UsageError, build_parser
 from dapo_megatron.data.dataset import DataError, PromptDataset
@@ -110,19 +110,16 @@ LENGTH_KEYS = ("data.max_prompt_length", "data.max_response_length")
 
 
 def fit_lengths(cfg, spec: ModelSpec, overrides: list[str], from_run: bool) -> str | None:
-    """Prompt + response within the model's max_position_embeddings (vLLM refuses a longer
-    context after a minute of start-up). A config's defaults (dapo.yaml: 2048 + 20480) shrink to
-    fit, the prompt to at most half; lengths the user set, or the checkpoint's run trained with,
-    are refused in one line naming the key. Returns the line that says what was fitted, if any."""
+    """Prompt + response within the model's max_position_embeddings. Lengths someone chose (the
+    user's overrides, the checkpoint's run) are checked by training's rule, one line naming the
+    keys; a config's defaults (dapo.yaml: 2048 + 20480) shrink to fit, the prompt to at most half.
+    Returns the line that says what was fitted, if any."""
     d, max_pos = cfg.data, spec.max_position_embeddings
-    total = d.max_prompt_length + d.max_response_length
-    if max_pos is None or total <= max_pos:
+    if from_run or any(o.lstrip("+").split("=", 1)[0] in LENGTH_KEYS for o in overrides):
+        check_lengths_fit(cfg, spec)
         return None
-    named = [k for k in LENGTH_KEYS if any(o.lstrip("+").split("=", 1)[0] == k for o in overrides)]
-    if named or from_run:
-        key = named[-1] if named else "data.max_response_length"
-        raise ConfigError(key, f"{key}: data.max_prompt_length + data.max_response_length = {total} exceeds the "
-                               f"model's max_position_embeddings ({max_pos}); ask for fewer tokens")
+    if max_pos is None or d.max_prompt_length + d.max_response_length <= max_pos:
+        return None
     before = d.max_response_length
     d.max_prompt_length = min(d.max_prompt_length, max_pos // 2)
     d.max_response_length = max_pos - d.max_prompt_length

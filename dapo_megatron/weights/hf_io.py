@@ -31,7 +31,9 @@ def copy_hf_files(model_dir: str, dst: str, tokenizer_dir: str | None = None) ->
     a vision-language model's processor config, and the tokenizer (from `tokenizer_dir` when the
     model keeps none) with its chat template."""
     os.makedirs(dst, exist_ok=True)
-    sources = [(model_dir, MODEL_FILES + PROCESSOR_FILES + TOKENIZER_FILES)] + ([(tokenizer_dir, TOKENIZER_FILES)] if tokenizer_dir else [])
+    sources = [(model_dir, MODEL_FILES + PROCESSOR_FILES + TOKENIZER_FILES)]
+    if tokenizer_dir:
+        sources.append((tokenizer_dir, TOKENIZER_FILES))
     for src, names in sources:
         for name in names:
             if os.path.exists(os.path.join(src, name)):
