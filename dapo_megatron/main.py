@@ -82,7 +82,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_BAD_INPUT
     from dapo_megatron.data.dataset import DataError
     from dapo_megatron.driver.supervisor import run
-    from dapo_megatron.roles import RoleDied
+    from dapo_megatron.roles import RoleDied, StartFailed
     try:
         return run(cfg)
     # Bad input found once the run reads it (model, data, reward function, a checkpoint to resume
@@ -94,6 +94,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {exc}\nlibrary output of the training ranks and engines: "
               f"{os.path.join(cfg.trainer.default_local_dir, LOGS)}/", file=sys.stderr)
         return EXIT_ROLE_DIED
+    except StartFailed as exc:  # a role's own check of its input (vLLM's engine arguments): the key
+        print(f"error: {exc}\nlibrary output of the training ranks and engines: "
+              f"{os.path.join(cfg.trainer.default_local_dir, LOGS)}/", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except BaseException:
         # The traceback names the failing role; what its libraries printed is in the run folder.
         print(f"library output of the training ranks and engines: {os.path.join(cfg.trainer.default_local_dir, LOGS)}/",

@@ -2,9 +2,12 @@
 an error a role raised reaches the caller as itself, not wrapped in the role's traceback."""
 from __future__ import annotations
 
+import re
 from typing import Callable, Optional
 
 import ray
+
+from dapo_megatron.config import engine_arg_keys
 
 # While a call waits, how often the process's watch (`set_watch`) looks for roles that died
 # elsewhere: a role blocked on a dead peer outside Ray (the rollout manager on a lost node's data
@@ -43,8 +46,46 @@ class RoleDied(RuntimeError):
         return f"{self.what}; restart the run, it resumes from the last checkpoint (trainer.resume_mode=auto){spent}"
 
 
-def died(role: str, exc: Exception | str, spent: str = "") -> RoleDied:
+class StartFailed(RuntimeError):
+    """A role raised while it started (its __init__: vLLM's checks of the engine's arguments, a
+    file it could not read). Starting it again fails the same way, so no restart is made: the
+    message is the library's own, with the config keys it names."""
+
+
+# The Ray actor classes -> the role each is (a start-up error names the class, not the role).
+ACTOR_ROLES = {"EngineActor": "rollout engine", "TrainWorker": "training rank", "RolloutManager": "rollout manager",
+               "RewardActor": "reward worker"}
+
+
+def died(role: str, exc: Exception | str, spent: str = "") -> RoleDied | StartFailed:
+    """What a dead role is to its caller: StartFailed when its __init__ raised, else RoleDied."""
+    if getattr(exc, "actor_init_failed", False):
+        return start_failed(role, str(exc))
     return RoleDied(f"the {role} died: {str(exc).splitlines()[0].rstrip('.')}", spent)
+
+
+def start_failed(role: str, error: str) -> StartFailed:
+    """One line from a start-up traceback (Ray's text of the actor's creation task): the role
+    (from the actor's class), the library's own message and the config keys it names."""
+    error = re.sub(r"\x1b\[[0-9;]*m", "", error)
+    actor = re.search(r"ray::(?:[\w.-]+:)?(\w+)\.__init__", error)
+    role = ACTOR_ROLES.get(actor.group(1), role) if actor else role
+    cause = root_cause(error)
+    keys = engine_arg_keys(cause) if role == "rollout engine" else []
+    return StartFailed(f"the {role} did not start: {cause}" + (f" (set by {', '.join(keys)})" if keys else ""))
+
+
+def root_cause(traceback: str) -> str:
+    """The library's message in a traceback: pydantic's "Value error, ..." (vLLM's argument
+    checks), else the first line of the last exception raised."""
+    value = re.search(r"Value error, (.*?)(?: \[type=|$)", traceback, re.M)
+    if value:
+        return value.group(1).rstrip(".")
+    raised = re.findall(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception)): (.+)$", traceback, re.M)
+    if not raised:
+        return traceback.strip().splitlines()[-1] if traceback.strip() else "no message"
+    name, message = raised[-1]
+    return (message if name in ("RuntimeError", "Exception") else f"{name}: {message}").rstrip(".")
 
 
 def as_role(role: str, fn: Callable, *args):

@@ -7,6 +7,7 @@ flags (`--tp`): inner modules only assert what was checked here.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Optional
 
 from dapo_megatron.algo import (IS_LEVELS, IS_MODES, KL_KINDS, LOSS_AGG_MODES, ON_EXHAUSTED, POLICY_LOSSES, RS_CRITERIA,
@@ -62,6 +63,16 @@ ENGINE_ARGS_OWNED = {
     "worker_extension_cls": "the weight sync", "enable_sleep_mode": "the device layer",
     "distributed_executor_backend": "the engine actor",
     "limit_mm_per_prompt": "rollout.max_images_per_prompt (vision-language models; no videos)"}
+
+
+def engine_arg_keys(message: str, engine_kwargs=()) -> list[str]:
+    """The config keys behind the vLLM arguments `message` names (an engine's start-up error):
+    the ones the engine sets (ENGINE_ARGS_OWNED; not `model`, `dtype`, `seed`: words of any
+    message), then the user's own rollout.engine_kwargs."""
+    named = [key for arg, key in ENGINE_ARGS_OWNED.items()
+             if "_" in arg and "." in key and re.search(rf"\b{re.escape(arg)}\b", message)]
+    named += [f"rollout.engine_kwargs.{arg}" for arg in engine_kwargs if re.search(rf"\b{re.escape(arg)}\b", message)]
+    return list(dict.fromkeys(named))
 
 
 def _get(cfg: Any, dotted: str) -> Any:

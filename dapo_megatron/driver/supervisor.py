@@ -58,8 +58,8 @@ def attempt(cfg: DapoConfig, kept: Optional[Kept] = None, may_keep: bool = False
     leave the other roles up for it (`died.kept`); else every role goes with this Ray."""
     try:
         ctx = setup.restart_training(kept.ctx, cfg) if kept else setup.prepare(cfg)
-    except roles.RoleDied:  # a role died starting: its placement group goes with this Ray, or
-        ray.shutdown()  # the restart's would wait for devices it still holds
+    except (roles.RoleDied, roles.StartFailed):  # a role died starting: its placement group goes
+        ray.shutdown()  # with this Ray, or the restart's would wait for devices it still holds
         raise
     setup.write_config(cfg, ctx.out_dir)
     logger = MetricsLogger(ctx.out_dir, cfg.trainer.logger, project=cfg.trainer.project_name,
@@ -80,6 +80,11 @@ def attempt(cfg: DapoConfig, kept: Optional[Kept] = None, may_keep: bool = False
         died.kept = keep_roles(run_, died) if may_keep else None
         if died.kept is None:
             ray.shutdown()
+        raise
+    except roles.StartFailed:  # nothing restarts: the roles go with this Ray
+        run_.phases.close()
+        run_.logger.close()
+        ray.shutdown()
         raise
     finally:
         roles.set_watch(None)

@@ -4,6 +4,7 @@ table, summarize per data_source, write the generations and the table.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -13,6 +14,7 @@ import ray
 from tqdm import tqdm
 from transformers import AutoTokenizer
 
+from dapo_megatron import roles
 from dapo_megatron.assets import resolve_asset_path
 from dapo_megatron.config import ConfigError, check_lengths_fit, load_config, load_run_config
 from dapo_megatron.convert.run import mcore_to_hf
@@ -23,6 +25,7 @@ from dapo_megatron.driver.setup import image_token_counter, stop_token_ids, tool
 from dapo_megatron.models import ModelSpec
 from dapo_megatron.reward.manager import RewardManager
 from dapo_megatron.reward.metrics import group_metrics, maj_method, mean_by_source
+from dapo_megatron.roles import StartFailed
 from dapo_megatron.rollout.actor import engine_actor
 from dapo_megatron.rollout.engine_spec import EngineSpec
 from dapo_megatron.rollout.types import Sampling
@@ -40,7 +43,11 @@ def evaluate(args) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     t0 = time.perf_counter()
-    groups = generate(cfg, model, out, tokenizer, data, args.engines, args.batch)
+    try:
+        groups = generate(cfg, model, out, tokenizer, data, args.engines, args.batch)
+    except StartFailed as exc:  # vLLM refused its arguments, or a file of the model
+        print(f"error: {exc}; library output: {os.path.join(out, 'engine-*.log')}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     records = score(cfg, tokenizer, data.items, groups)
     summary = summarize(records, cfg.rollout.val_kwargs.n)
     summary.update(model=args.model, data=files, seconds=time.perf_counter() - t0)
@@ -152,8 +159,8 @@ def generate(cfg, model: str, out: str, tokenizer, data, engines: int, batch: in
             for start in range(0, len(items), batch * engines):
                 block = items[start:start + batch * engines]
                 shards = [block[j::engines] for j in range(engines)]
-                results = ray.get([h.generate.remote([it.prompt for it in s], sampling)
-                                   for h, s in zip(handles, shards) if s])
+                results = roles.get("rollout engine", [h.generate.remote([it.prompt for it in s], sampling)
+                                                       for h, s in zip(handles, shards) if s])
                 ordered = [None] * len(block)
                 for j, res in enumerate(results):
                     for i, g in enumerate(res):
@@ -161,7 +168,8 @@ def generate(cfg, model: str, out: str, tokenizer, data, engines: int, batch: in
                 groups += ordered
                 bar.update(len(block))
     finally:
-        ray.get([h.shutdown.remote() for h in handles])
+        with contextlib.suppress(ray.exceptions.RayActorError):  # one that did not start
+            ray.get([h.shutdown.remote() for h in handles])
         ray.shutdown()
     return groups
 

@@ -51,6 +51,8 @@ class EngineHealth:
         """An engine is gone: raise the run's RoleDied when no restart is left, else queue it for
         the driver. Called at most once per engine until it is replaced."""
         cause = str(error).splitlines()[0] if str(error) else type(error).__name__
+        if getattr(error, "actor_init_failed", False):  # its replacement would fail to start alike
+            raise died("rollout engine", error)
         if self.restarts >= self.max_restarts:
             raise died("rollout engine", cause,
                        f"rollout.max_engine_restarts={self.max_restarts}" if self.max_restarts else "")

@@ -238,3 +238,36 @@ def test_the_cluster_a_run_joins(tmp_path, monkeypatch):
     assert cluster_address() is None
     monkeypatch.setattr("ray._private.services.find_gcs_addresses", lambda: {"127.0.0.1:1"})  # as if it ran
     assert cluster_address() == "127.0.0.1:1"
+
+
+def test_a_role_that_did_not_start_is_not_restarted_and_says_why_in_one_line(tmp_path, monkeypatch, capsys):
+    """An actor whose __init__ raised (Ray's text of its creation task: the class, vLLM's pydantic
+    message) is StartFailed, not RoleDied: restarts would fail alike, so none is made, and the
+    command's one line is the library's message with the keys that set what it names."""
+    from ray.exceptions import RayActorError
+
+    from dapo_megatron import main as cli
+    trace = ("The actor died because of an error raised in its creation task, \x1b[36mray::dapo-engine-0:EngineActor."
+             "__init__()\x1b[39m (pid=1, ip=127.0.0.1)\nTraceback (most recent call last):\n  File \"x.py\", line 1\n"
+             "pydantic_core._pydantic_core.ValidationError: 1 validation error for SchedulerConfig\n  Value error, "
+             "max_num_batched_tokens (8) must be greater than or equal to max_num_seqs (64). [type=value_error]\n")
+    # a death with no creation error stays a death
+    assert isinstance(roles.died("rollout engine", RayActorError(None, "The actor died unexpectedly")), roles.RoleDied)
+    exc = RayActorError(None, trace, actor_init_failed=True)
+    failed = roles.died("actor the rollout manager called", exc)
+    assert isinstance(failed, roles.StartFailed) and str(failed) == (
+        "the rollout engine did not start: max_num_batched_tokens (8) must be greater than or equal to max_num_seqs "
+        "(64) (set by rollout.max_num_batched_tokens, rollout.max_concurrent_per_engine)")
+    assert str(roles.start_failed("training rank 0", "ray::TrainWorker.__init__()\nTraceback\n  File\n"
+                                  "OSError: [Errno 2] No such file: '/m/config.json'")) == \
+        "the training rank did not start: OSError: [Errno 2] No such file: '/m/config.json'"
+    attempts = []
+
+    def attempt(cfg, kept=None, may_keep=False):
+        attempts.append(cfg)
+        raise failed
+    monkeypatch.setattr(supervisor, "attempt", attempt)
+    monkeypatch.setattr(cli, "check_inputs", lambda cfg: None)
+    assert cli.main(["--config-name", "quickstart", "trainer.max_restarts=2", f"trainer.default_local_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert len(attempts) == 1 and [line for line in err.splitlines() if line.startswith("error:")] == [f"error: {failed}"]
