@@ -171,7 +171,14 @@ def test_async_trains_no_token_older_than_max_staleness(async_killed_then_resume
     rows = async_killed_then_resumed[3]
     lags = [r["rollout/staleness_max"] for r in rows]
     assert max(lags) == 2.0 and lags[0] == lags[2] == 0.0, lags  # trainer.max_staleness=2 in quickstart_async
-    assert all(0.0 <= r["rollout/partial_frac"] <= 1.0 and 0.0 <= r["timing/engine_idle_frac"] <= 1.0 for r in rows)
+    # Responses a push reached mid-generation (partial rollouts): none in a batch no push of its run
+    # could reach (each run's first), and a split response's first token is older than the weights
+    # it trains (lag >= 1). Here 12-token responses mostly finish before a push lands; the split
+    # itself, at scripted push points, is tests/unit/test_async_versions.py's.
+    partial = [r["rollout/partial_frac"] for r in rows]
+    assert partial[0] == partial[2] == 0.0, partial
+    assert all(p == 0.0 or lag >= 1 for p, lag in zip(partial, lags)), (partial, lags)
+    assert all(0.0 <= r["timing/engine_idle_frac"] <= 1.0 for r in rows)
     assert all("timing/trainer_wait" in r and "timing/sync_wait" not in r for r in rows)  # pushes do not drain
 
 

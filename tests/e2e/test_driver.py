@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -48,7 +49,8 @@ def _overrides(tiny_assets, out_dir, steps, **extra) -> list[str]:
         "data.max_response_length": 12, "trainer.total_training_steps": steps, "trainer.save_freq": 1,
         "trainer.test_freq": 2, "trainer.val_before_train": "false", "trainer.default_local_dir": str(out_dir),
         "trainer.logger": "[console,jsonl]", "reward.custom_fn": f"{HERE}/parity_reward.py:compute_score",
-        **extra}
+        # greedy validation (the demo samples 16 answers a prompt): the journey compares answers token for token
+        "rollout.val_kwargs.n": 1, "rollout.val_kwargs.temperature": 0.0, **extra}
     return [f"{k}={v}" for k, v in overrides.items()]
 
 
@@ -221,23 +223,88 @@ def test_two_steps_log_every_metric_and_checkpoint(whole):
     assert rows[0]["response_length/mean"] > 0
 
 
-def test_evaluate_a_checkpoint_with_no_flag_gets_the_runs_validation(whole, tmp_path):
-    """train -> evaluate: `python -m dapo_megatron.evaluate --model <run>/checkpoints/step_2` takes
-    the run's config.yaml (its validation files, lengths, greedy val_kwargs, reward function),
-    exports the checkpoint (no --hf-config) and scores the avg@1 the run's validation logged at
-    that step, with the generations and the summary written."""
+def _cli(*args, timeout=600) -> subprocess.CompletedProcess:
+    """`python <args>` as a user runs it (a Ray of its own where it starts one), output captured."""
+    return _finish(_start(*args), timeout)
+
+
+def _start(*args) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, *map(str, args)], env={**os.environ, "RAY_ADDRESS": ""},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(proc: subprocess.Popen, timeout=600) -> subprocess.CompletedProcess:
+    stdout, stderr = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, stderr[-3000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def _model_weights(checkpoint: Path, tmp: Path) -> dict:
+    """A dist checkpoint's model tensors (no optimizer state), read without a process group."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    dcp_to_torch_save(str(checkpoint), str(tmp / f"{checkpoint.name}.pt"))
+    state = torch.load(tmp / f"{checkpoint.name}.pt", weights_only=False)
+    return {k: v for k, v in state.items() if k.startswith(("embedding.", "decoder.", "output_layer.")) and torch.is_tensor(v)}
+
+
+def test_journey_train_export_evaluate_convert_back_start_and_serve(whole, tiny_assets, long_prompts, local_ray,
+                                                                    tmp_path):
+    """What a user does after training, each step with the commands the docs give: export the
+    checkpoint (`convert mcore-to-hf`, no flag) -> evaluate the export with no config flag (dapo.yaml's
+    lengths, 2048 + 20480, fitted to the model's 1024 positions) -> evaluate the checkpoint (its
+    run's config.yaml: validation files, lengths, greedy val_kwargs, reward: the avg@1 its run's
+    validation logged at that step) -> convert the export back (`convert hf-to-mcore`) -> a run
+    started from it (model.load_checkpoint; model.path the untrained weights), whose step-0
+    validation is the checkpoint's and whose weights, at lr 0, are the checkpoint's bit for bit ->
+    the export in vLLM's own `LLM`, whose greedy tokens are our engine's."""
+    import pyarrow.parquet as pq
+    ckpt, val = whole.out / "checkpoints" / "step_2", tiny_assets / "data" / "val.parquet"
+    export = tmp_path / "export"
+    _cli("-m", "dapo_megatron.convert", "mcore-to-hf", "--ckpt", ckpt, "--out", export)
+
+    # The commands that need only the export run beside the next ones (each is one process at a
+    # time most of its run: ~30 s of the test's ~140 s on two cores).
+    served = tmp_path / "served.jsonl"
+    serving = _start(os.path.join(HERE, "vllm_greedy.py"), export, val, 12, served)
+    two = tmp_path / "two.parquet"  # dapo.yaml samples up to 512 tokens at temperature 1: two prompts of them
+    pq.write_table(pq.read_table(val).slice(0, 2), two)
+    # (eager: vLLM's compilation of the model costs a CPU ~30 s, more than these two answers)
+    evaluating = _start("-m", "dapo_megatron.evaluate", "--model", export, "--data", two, "--out",
+                        tmp_path / "eval-export", "rollout.enforce_eager=true")
+
     out = tmp_path / "eval"
-    proc = subprocess.run([sys.executable, "-m", "dapo_megatron.evaluate", "--model",
-                           str(whole.out / "checkpoints" / "step_2"), "--out", str(out)],
-                          env={**os.environ, "RAY_ADDRESS": ""}, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    overall = summary["sources"]["all"]
+    proc = _cli("-m", "dapo_megatron.evaluate", "--model", ckpt, "--out", out)
+    overall = json.loads((out / "summary.json").read_text())["sources"]["all"]
     assert whole.rows[-1]["step"] == 2 and overall["avg@1"] == pytest.approx(whole.rows[-1]["val/acc"], abs=1e-9)
     records = [json.loads(line) for line in open(out / "generations.jsonl")]
     assert len(records) == overall["prompts"] > 0 and all(r["length"] > 0 for r in records)
     assert "avg@1" in proc.stdout and "pass@1" in proc.stdout
     assert {"config.json", "tokenizer.json", "chat_template.jinja"} <= set(os.listdir(out / "model"))
+
+    proc = _finish(evaluating)
+    assert "data.max_prompt_length=512 + data.max_response_length=512" in proc.stderr, proc.stderr[-3000:]
+    overall = json.loads((tmp_path / "eval-export" / "summary.json").read_text())["sources"]["all"]
+    assert overall["prompts"] == 2 and overall["response_length"] > 12  # dapo's lengths, not the run's 12
+
+    back = tmp_path / "mcore"
+    _cli("-m", "dapo_megatron.convert", "hf-to-mcore", "--hf-dir", export, "--out", back)
+    again = tmp_path / "again"
+    cfg = _cfg(tiny_assets, again, 1, **long_prompts, **{
+        "rollout.max_num_batched_tokens": 16384, "model.load_checkpoint": back, "trainer.val_before_train": "true",
+        "trainer.test_freq": 0, "actor.optim.lr": 0.0})  # lr 0: the checkpoint it saves holds the start's weights
+    assert _run_here(cfg) == 0
+    rows = _rows(again)
+    assert [r["step"] for r in rows] == [0, 1] and rows[0]["val/acc"] == whole.rows[-1]["val/acc"], rows
+    assert rows[1]["rollout/logprob_diff_max"] < 1e-2  # the engine got the loaded weights, not model.path's
+    trained, started = _model_weights(ckpt, tmp_path), _model_weights(again / "checkpoints" / "step_1", tmp_path)
+    assert sorted(trained) == sorted(started) and len(trained) > 10
+    assert all(trained[k].equal(started[k]) for k in trained), [k for k in trained if not trained[k].equal(started[k])]
+
+    _finish(serving)
+    ours = [r["response"] for r in records]
+    assert [json.loads(line)["text"] for line in open(served)] == ours
+    assert len(set(ours)) > 1  # answers that differ: a model that says one thing everywhere proves little
 
 
 # Colocated placement, actor.offload all on (the quickstart's), the engines sleeping at level 2.
@@ -353,7 +420,12 @@ def test_killed_engine_is_a_clear_error_not_a_hang(tp2_killed):
     # GSPO under the correction: its metrics, in range (fp32 engine and trainer: nearly nothing to drop)
     row = tp2_killed.rows[0]
     assert 0.9 < row["actor/is_weight_mean"] < 1.1 and row["actor/is_masked_frac"] == 0.0, row
-    assert 0.0 <= row["rollout/rejected_frac"] < 0.5 and 0.0 <= row["actor/pg_clipfrac"] <= 1.0, row
+    # A sequence's mean k3 is at most k3 of its largest engine-trainer gap (rollout/logprob_diff_max):
+    # below rs_threshold nothing may be rejected (a rollout log-prob one token off, gaps of order 1,
+    # rejects most sequences)
+    gap = row["rollout/logprob_diff_max"]
+    assert math.exp(gap) - 1 - gap < TP2["actor.rollout_correction.rs_threshold"], row
+    assert row["rollout/rejected_frac"] == 0.0 and 0.0 <= row["actor/pg_clipfrac"] <= 1.0, row
 
 
 def test_ranks_read_their_share_at_dp2_and_the_same_rows_at_tp2(whole, tp2_killed):
