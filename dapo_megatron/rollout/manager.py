@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import threading
 import time
 from typing import Optional
@@ -163,7 +164,10 @@ class RolloutManager:
         finally:
             store.clear()
         values = [v for vs in per_source.values() for v in vs]
-        out = {"val/acc": sum(values) / max(len(values), 1), "timing/val": time.perf_counter() - t0}
+        acc = sum(values) / max(len(values), 1)
+        # the standard error of val/acc as a mean of its answers: what tells a rise from noise
+        out = {"val/acc": acc, "val/acc_se": math.sqrt(acc * (1 - acc) / max(len(values), 1)),
+               "timing/val": time.perf_counter() - t0}
         out.update({f"val/acc/{src}": sum(vs) / len(vs) for src, vs in per_source.items()})
         if sampling.n > 1:
             out.update(validation_metrics(prompts, seed=cfg.rollout.seed))

@@ -221,6 +221,8 @@ def test_two_steps_log_every_metric_and_checkpoint(whole):
     assert {"config.json", "tokenizer.json", "chat_template.jinja"} <= set(hf), hf
     assert "model:" in (out / "config.yaml").read_text()
     assert rows[0]["response_length/mean"] > 0
+    acc = rows[-1]["val/acc"]  # over 20 greedy answers: the demo's 16 samples a prompt make it 320
+    assert rows[-1]["val/acc_se"] == pytest.approx(math.sqrt(acc * (1 - acc) / 20))
 
 
 def _cli(*args, timeout=600) -> subprocess.CompletedProcess:
