@@ -31,6 +31,7 @@ from dapo_megatron.rollout.engine_spec import EngineSpec
 from dapo_megatron.rollout.types import Sampling
 from dapo_megatron.train.parallel import WorkerError
 from dapo_megatron.weights.hf_io import CheckpointError
+from dapo_megatron.weights.load import check_hf_checkpoint
 
 EXIT_BAD_INPUT = 2
 
@@ -90,6 +91,7 @@ def load(args):
     os.makedirs(out, exist_ok=True)
     model = resolve_model(args.model, out)
     spec = ModelSpec.from_pretrained(model)
+    check_hf_checkpoint(model, spec)  # its files, read as the engine will, before an engine starts
     fitted = fit_lengths(cfg, spec, args.overrides, from_run=run_config is not None)
     if fitted:
         print(fitted, file=sys.stderr)

@@ -24,6 +24,19 @@ def test_a_broken_data_file_is_one_error_line_naming_it(tiny_assets, tmp_path, c
     assert rc == 2 and err.count("\n") == 0 and "bad.parquet" in err and "prompt" in err, err
 
 
+def test_a_model_missing_its_weights_is_one_error_line_before_any_engine(tiny_assets, tmp_path, capsys):
+    """vLLM's engine would stop ~30 s in with its traceback ("Cannot find any model weights")."""
+    import shutil
+    model = tmp_path / "model"
+    shutil.copytree(tiny_assets / "qwen3_moe", model)
+    (model / "model.safetensors").unlink()
+    rc = evaluate.main(["--model", str(model), "--data", str(tiny_assets / "data" / "val.parquet"),
+                        "--out", str(tmp_path / "o"), "-cn", "quickstart"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and err.count("\n") == 0 and err.startswith("error: ") and str(model) in err, err
+    assert not (tmp_path / "o" / "engine-0.log").exists()  # no engine started
+
+
 def test_summary_per_source_and_overall():
     recs = [dict(index=i, data_source=src, answer=ans, correct=ok, length=10 * (j + 1), cut=j == 1)
             for i, src, answers in ((0, "a", [("1", True), ("2", False)]), (1, "b", [("3", False), ("3", False)]))
@@ -70,10 +83,11 @@ def test_a_configs_lengths_fit_the_model_and_say_so(tiny_assets, tmp_path, capsy
 
 
 def test_n_samples_of_greedy_decoding_say_they_are_one(tiny_assets, tmp_path, capsys):
-    """Was: avg@4 = pass@4 = maj@4 printed with nothing saying the quickstart's validation is greedy."""
+    """Was: avg@4 = pass@4 = maj@4 printed with nothing saying the validation was greedy (the
+    quickstart's was; the VL demo's still is)."""
     argv = ["--model", str(tiny_assets / "qwen3_moe"), "--data", str(tiny_assets / "data" / "val.parquet"),
             "--out", str(tmp_path / "out"), "-cn", "quickstart"]
-    _, err = _load([*argv, "--n", "4"], capsys)
+    _, err = _load([*argv, "--n", "4", "--temperature", "0"], capsys)
     assert len(err) == 1 and err[0].startswith("note: greedy decoding") and "--temperature 1.0" in err[0], err
-    assert _load([*argv, "--n", "4", "--temperature", "1.0"], capsys)[1] == []
-    assert _load(argv, capsys)[1] == []  # n = 1: nothing to say
+    assert _load([*argv, "--n", "4"], capsys)[1] == []  # the quickstart samples its validation
+    assert _load([*argv, "--n", "1", "--temperature", "0"], capsys)[1] == []  # n = 1: nothing to say
