@@ -90,14 +90,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ConfigError, CheckpointError, DataError) as exc:
         print(f"error: {getattr(exc, 'cause', None) or exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except RoleDied as exc:  # restarts spent (trainer.max_restarts): what died is the message
+    # Restarts spent (trainer.max_restarts): what died is the message. A role that did not start
+    # (vLLM refused its arguments): its reason and the keys, as bad input.
+    except (RoleDied, StartFailed) as exc:
         print(f"error: {exc}\nlibrary output of the training ranks and engines: "
               f"{os.path.join(cfg.trainer.default_local_dir, LOGS)}/", file=sys.stderr)
-        return EXIT_ROLE_DIED
-    except StartFailed as exc:  # a role's own check of its input (vLLM's engine arguments): the key
-        print(f"error: {exc}\nlibrary output of the training ranks and engines: "
-              f"{os.path.join(cfg.trainer.default_local_dir, LOGS)}/", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        return EXIT_BAD_INPUT if isinstance(exc, StartFailed) else EXIT_ROLE_DIED
     except BaseException:
         # The traceback names the failing role; what its libraries printed is in the run folder.
         print(f"library output of the training ranks and engines: {os.path.join(cfg.trainer.default_local_dir, LOGS)}/",

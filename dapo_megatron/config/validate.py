@@ -65,14 +65,11 @@ ENGINE_ARGS_OWNED = {
     "limit_mm_per_prompt": "rollout.max_images_per_prompt (vision-language models; no videos)"}
 
 
-def engine_arg_keys(message: str, engine_kwargs=()) -> list[str]:
-    """The config keys behind the vLLM arguments `message` names (an engine's start-up error):
-    the ones the engine sets (ENGINE_ARGS_OWNED; not `model`, `dtype`, `seed`: words of any
-    message), then the user's own rollout.engine_kwargs."""
-    named = [key for arg, key in ENGINE_ARGS_OWNED.items()
-             if "_" in arg and "." in key and re.search(rf"\b{re.escape(arg)}\b", message)]
-    named += [f"rollout.engine_kwargs.{arg}" for arg in engine_kwargs if re.search(rf"\b{re.escape(arg)}\b", message)]
-    return list(dict.fromkeys(named))
+def engine_arg_keys(message: str) -> list[str]:
+    """The config keys behind the vLLM arguments `message` names (an engine's start-up error), from
+    ENGINE_ARGS_OWNED (not `model`, `dtype`, `seed`: words of any message)."""
+    return [key for arg, key in ENGINE_ARGS_OWNED.items()
+            if "_" in arg and "." in key and re.search(rf"\b{re.escape(arg)}\b", message)]
 
 
 def _get(cfg: Any, dotted: str) -> Any:

@@ -25,7 +25,6 @@ from dapo_megatron.driver.setup import image_token_counter, stop_token_ids, tool
 from dapo_megatron.models import ModelSpec
 from dapo_megatron.reward.manager import RewardManager
 from dapo_megatron.reward.metrics import group_metrics, maj_method, mean_by_source
-from dapo_megatron.roles import StartFailed
 from dapo_megatron.rollout.actor import engine_actor
 from dapo_megatron.rollout.engine_spec import EngineSpec
 from dapo_megatron.rollout.types import Sampling
@@ -46,7 +45,7 @@ def evaluate(args) -> int:
     t0 = time.perf_counter()
     try:
         groups = generate(cfg, model, out, tokenizer, data, args.engines, args.batch)
-    except StartFailed as exc:  # vLLM refused its arguments, or a file of the model
+    except roles.StartFailed as exc:  # vLLM refused its arguments, or a file of the model
         print(f"error: {exc}; library output: {os.path.join(out, 'engine-*.log')}", file=sys.stderr)
         return EXIT_BAD_INPUT
     records = score(cfg, tokenizer, data.items, groups)

@@ -48,9 +48,11 @@ def main(model: str, data: str, max_tokens: int, out: str, limit: int = 0) -> No
     import pyarrow.parquet as pq
     from transformers import AutoTokenizer
     from vllm import LLM, SamplingParams
+
+    from dapo_megatron.driver.setup import stop_token_ids
     rows = pq.read_table(data).to_pylist()[:limit or None]
     tokenizer = AutoTokenizer.from_pretrained(model)
-    stops = [t for t in {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|im_end|>")} if isinstance(t, int)]
+    stops = list(stop_token_ids(tokenizer))  # where our validation stops: eos and the template's end of turn
     images = dict(limit_mm_per_prompt={"image": 1, "video": 0}) if rows[0].get("images") else {}
     llm = LLM(model=model, dtype="float32", enforce_eager=True, max_model_len=1024, seed=0,
               kv_cache_memory_bytes=64 << 20, **images)
