@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli
 from tests.doc_runs import doc_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -225,22 +226,6 @@ def test_two_steps_log_every_metric_and_checkpoint(whole):
     assert rows[-1]["val/acc_se"] == pytest.approx(math.sqrt(acc * (1 - acc) / 20))
 
 
-def _cli(*args, timeout=600) -> subprocess.CompletedProcess:
-    """`python <args>` as a user runs it (a Ray of its own where it starts one), output captured."""
-    return _finish(_start(*args), timeout)
-
-
-def _start(*args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, *map(str, args)], env={**os.environ, "RAY_ADDRESS": ""},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def _finish(proc: subprocess.Popen, timeout=600) -> subprocess.CompletedProcess:
-    stdout, stderr = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, stderr[-3000:]
-    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
-
-
 def _model_weights(checkpoint: Path, tmp: Path) -> dict:
     """A dist checkpoint's model tensors (no optimizer state), read without a process group."""
     import torch
@@ -263,20 +248,20 @@ def test_journey_train_export_evaluate_convert_back_start_and_serve(whole, tiny_
     import pyarrow.parquet as pq
     ckpt, val = whole.out / "checkpoints" / "step_2", tiny_assets / "data" / "val.parquet"
     export = tmp_path / "export"
-    _cli("-m", "dapo_megatron.convert", "mcore-to-hf", "--ckpt", ckpt, "--out", export)
+    cli.run("-m", "dapo_megatron.convert", "mcore-to-hf", "--ckpt", ckpt, "--out", export)
 
     # The commands that need only the export run beside the next ones (each is one process at a
     # time most of its run: ~30 s of the test's ~140 s on two cores).
     served = tmp_path / "served.jsonl"
-    serving = _start(os.path.join(HERE, "vllm_greedy.py"), export, val, 12, served)
+    serving = cli.start(os.path.join(HERE, "vllm_greedy.py"), export, val, 12, served)
     two = tmp_path / "two.parquet"  # dapo.yaml samples up to 512 tokens at temperature 1: two prompts of them
     pq.write_table(pq.read_table(val).slice(0, 2), two)
     # (eager: vLLM's compilation of the model costs a CPU ~30 s, more than these two answers)
-    evaluating = _start("-m", "dapo_megatron.evaluate", "--model", export, "--data", two, "--out",
+    evaluating = cli.start("-m", "dapo_megatron.evaluate", "--model", export, "--data", two, "--out",
                         tmp_path / "eval-export", "rollout.enforce_eager=true")
 
     out = tmp_path / "eval"
-    proc = _cli("-m", "dapo_megatron.evaluate", "--model", ckpt, "--out", out)
+    proc = cli.run("-m", "dapo_megatron.evaluate", "--model", ckpt, "--out", out)
     overall = json.loads((out / "summary.json").read_text())["sources"]["all"]
     assert whole.rows[-1]["step"] == 2 and overall["avg@1"] == pytest.approx(whole.rows[-1]["val/acc"], abs=1e-9)
     records = [json.loads(line) for line in open(out / "generations.jsonl")]
@@ -284,13 +269,13 @@ def test_journey_train_export_evaluate_convert_back_start_and_serve(whole, tiny_
     assert "avg@1" in proc.stdout and "pass@1" in proc.stdout
     assert {"config.json", "tokenizer.json", "chat_template.jinja"} <= set(os.listdir(out / "model"))
 
-    proc = _finish(evaluating)
+    proc = cli.finish(evaluating)
     assert "data.max_prompt_length=512 + data.max_response_length=512" in proc.stderr, proc.stderr[-3000:]
     overall = json.loads((tmp_path / "eval-export" / "summary.json").read_text())["sources"]["all"]
     assert overall["prompts"] == 2 and overall["response_length"] > 12  # dapo's lengths, not the run's 12
 
     back = tmp_path / "mcore"
-    _cli("-m", "dapo_megatron.convert", "hf-to-mcore", "--hf-dir", export, "--out", back)
+    cli.run("-m", "dapo_megatron.convert", "hf-to-mcore", "--hf-dir", export, "--out", back)
     again = tmp_path / "again"
     cfg = _cfg(tiny_assets, again, 1, **long_prompts, **{
         "rollout.max_num_batched_tokens": 16384, "model.load_checkpoint": back, "trainer.val_before_train": "true",
@@ -303,7 +288,7 @@ def test_journey_train_export_evaluate_convert_back_start_and_serve(whole, tiny_
     assert sorted(trained) == sorted(started) and len(trained) > 10
     assert all(trained[k].equal(started[k]) for k in trained), [k for k in trained if not trained[k].equal(started[k])]
 
-    _finish(serving)
+    cli.finish(serving)
     ours = [r["response"] for r in records]
     assert [json.loads(line)["text"] for line in open(served)] == ours
     assert len(set(ours)) > 1  # answers that differ: a model that says one thing everywhere proves little

@@ -10,6 +10,7 @@ import os
 
 import pytest
 
+from tests import cli
 from tests.doc_runs import doc_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -68,8 +69,6 @@ def test_vl_journey_evaluate_the_checkpoint_and_serve_its_export(vl_run, geo3k_d
     export scores the val/acc the run logged at step 2; the export read by evaluate with no config
     flag (dapo.yaml's lengths fitted, each prompt's image counted by the export's own processor);
     then vLLM's own `LLM` loads the export and its greedy tokens are our engine's."""
-    import subprocess
-    import sys
     import time
     from argparse import Namespace
 
@@ -78,19 +77,14 @@ def test_vl_journey_evaluate_the_checkpoint_and_serve_its_export(vl_run, geo3k_d
     from dapo_megatron.models import ModelSpec
     val = [json.loads(line) for line in open(vl_run / "metrics.jsonl") if "val/acc" in line][0]
     out, test = tmp_path / "eval", str(geo3k_data / "test.parquet")
-    evaluating = subprocess.Popen([sys.executable, "-m", "dapo_megatron.evaluate", "--model",
-                                   str(vl_run / "checkpoints" / "step_2"), "--out", str(out)],
-                                  env={**os.environ, "RAY_ADDRESS": ""}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True)
+    evaluating = cli.start("-m", "dapo_megatron.evaluate", "--model", vl_run / "checkpoints" / "step_2", "--out", out)
     # vLLM's own LLM on the export as soon as evaluate has written it (a folder renamed into place),
     # beside evaluate's engine
     export, served, deadline = out / "model", tmp_path / "served.jsonl", time.monotonic() + 300
     while not export.exists() and evaluating.poll() is None and time.monotonic() < deadline:
         time.sleep(0.2)
-    serving = subprocess.Popen([sys.executable, os.path.join(HERE, "vllm_greedy.py"), str(export), test, "12",
-                                str(served)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, err = evaluating.communicate(timeout=600)
-    assert evaluating.returncode == 0, err[-3000:]
+    serving = cli.start(os.path.join(HERE, "vllm_greedy.py"), export, test, 12, served)
+    cli.finish(evaluating)
     overall = json.loads((out / "summary.json").read_text())["sources"]["all"]
     assert val["step"] == 2 and overall["avg@1"] == pytest.approx(val["val/acc"], abs=1e-9)
     assert {"preprocessor_config.json", "chat_template.jinja", "config.json"} <= set(os.listdir(export))
@@ -110,8 +104,7 @@ def test_vl_journey_evaluate_the_checkpoint_and_serve_its_export(vl_run, geo3k_d
         i = ids.index(image_pad)
         return [*ids[:i], *[image_pad] * n, *ids[i + 1:]]
 
-    _, err = serving.communicate(timeout=600)
-    assert serving.returncode == 0, err[-3000:]
+    cli.finish(serving)
     ours = [json.loads(line)["response"] for line in open(out / "generations.jsonl")]
     theirs = [json.loads(line) for line in open(served)]
     assert [t["text"] for t in theirs] == ours

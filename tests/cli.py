@@ -1,0 +1,24 @@
+"""Our commands as a user runs them, in processes of their own: `python <args>`, output captured
+(the journeys in tests/e2e: train -> export -> evaluate -> serve)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+
+def start(*args) -> subprocess.Popen:
+    """`python <args>` started (a Ray of its own where it starts one: RAY_ADDRESS cleared)."""
+    return subprocess.Popen([sys.executable, *map(str, args)], env={**os.environ, "RAY_ADDRESS": ""},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 600) -> subprocess.CompletedProcess:
+    """Wait for a started command, which must exit 0 (else its stderr's end is the failure)."""
+    stdout, stderr = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, stderr[-3000:]
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+
+
+def run(*args, timeout: float = 600) -> subprocess.CompletedProcess:
+    return finish(start(*args), timeout)
