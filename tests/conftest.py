@@ -21,7 +21,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _NO_ASSETS = Path(tempfile.gettempdir()) / f"dapo-tests-pass-asset-paths-not-tiny-{os.getpid()}"
 _NO_ASSETS.write_text("tests must not build the tiny:// assets: pass the fixtures' paths (tests/conftest.py)\n")
 atexit.register(_NO_ASSETS.unlink, missing_ok=True)
-os.environ["DAPO_MEGATRON_ASSETS"] = str(_NO_ASSETS / "tiny-v1")
+os.environ["DAPO_MEGATRON_ASSETS"] = str(_NO_ASSETS / "tiny-v2")
 
 # No warm-up: tests need real checkpoints of the right shapes, not a model that can add; the
 # warm-up itself is tested on its own (tests/unit/test_assets_warmup.py).
@@ -150,6 +150,24 @@ def pytest_sessionfinish(session, exitstatus):
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
         ray.shutdown()
+
+
+def in_pinned_process(function: str, **kwargs):
+    """`module:function(**kwargs)` (JSON in and out) in a process started with the bundles' pinned
+    CPU kernels (assets/kernels.py): what a build measured, measured again on the same kernels.
+    (This process's kernels are its machine's own: a sampled token may round the other way.)"""
+    import json
+    import subprocess
+    import sys
+
+    from dapo_megatron.assets import kernels
+    module, name = function.split(":")
+    code = (f"import json, sys; from {module} import {name}; "
+            f"print(json.dumps({name}(**json.loads(sys.argv[1]))))")
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
+                          env=kernels.pinned_env(os.environ), cwd=Path(__file__).parent.parent, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def build_tool_bundle(root) -> Path:

@@ -12,7 +12,10 @@ or tiny://geo3k/... into `<asset dir>-vl`, so no build ever replaces another.
 
 A build goes into a temp dir next to the target and is renamed into place at the end, under a
 file lock, so concurrent first uses (several Ray workers resolving tiny:// at once) build once
-and nobody ever sees a half-written dir.
+and nobody ever sees a half-written dir. It runs in a process started with pinned CPU kernels
+(assets/kernels.py), so a recipe builds the same bytes on every x86-64 machine; the manifest
+records each file's sha256, a default build is checked against the recipe's (RECORDED_SHA256),
+and tiny:// checks a bundle against its manifest before it hands a path out.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import fcntl
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -34,13 +38,14 @@ import tokenizers
 import torch
 import transformers
 
-from dapo_megatron.assets import tools
+from dapo_megatron.assets import kernels, tools
 from dapo_megatron.assets.models import build_tiny_model
 from dapo_megatron.assets.tokenizer import build_tokenizer, special_token_ids
 from dapo_megatron.assets.warmup import sampled_accuracy, supervised_warmup
 from dapo_megatron.data import synthetic
+from dapo_megatron.data.dataset import DataError
 
-ASSET_VERSION = "tiny-v1"  # bump when the layout or recipe changes; it names the cache dir
+ASSET_VERSION = "tiny-v2"  # bump when the layout or recipe changes; it names the cache dir
 TINY_SCHEME = "tiny://"
 ASSETS_ENV = "DAPO_MEGATRON_ASSETS"
 DEFAULT_SEED = 0
@@ -58,10 +63,22 @@ MANIFEST = "manifest.json"
 TOOLS_DIR = "tools"  # tiny://tools/...: the tool task's bundle (tool_asset_dir())
 VL_NAMES = ("qwen3_vl_moe", "geo3k")  # tiny://qwen3_vl_moe, tiny://geo3k/...: the VL bundle (vl_asset_dir())
 TEXT_NAMES = ("tokenizer", "data", *MODEL_KINDS)  # the addition bundle's top-level dirs (default_asset_dir())
+# sha256 over each bundle's files (manifest.json aside, kernels.bundle_sha256) as its default
+# recipe builds them with the pinned kernels, under torch 2.13.0 and transformers 5.19.0: a default
+# build that differs says so in one line (other library versions, or a CPU below x86-64-v2).
+RECORDED_SHA256 = {
+    "text": "48f7e077d28874dd5441ce284e2f3d36b56a0439621c7cbbba878bc89d96bec9",
+    "tools": "cf5982c878ab628a8186191e7ad0e5103361edfa4725ecaad54e6846679f6c63",
+    "vl": "f952af956c42b0aa6182bf6c1123356140f2a31bb3ccdf719a408b44f7559c49",
+}
+
+
+class AssetError(DataError):
+    """A tiny bundle that is not what its manifest recorded (a file changed or went missing)."""
 
 
 def default_asset_dir() -> Path:
-    """$DAPO_MEGATRON_ASSETS, else ~/.cache/dapo-megatron/tiny-v1."""
+    """$DAPO_MEGATRON_ASSETS, else ~/.cache/dapo-megatron/tiny-v2."""
     env = os.environ.get(ASSETS_ENV)
     return Path(env).expanduser() if env else Path.home() / ".cache" / "dapo-megatron" / ASSET_VERSION
 
@@ -84,66 +101,129 @@ def read_manifest(asset_dir: str | os.PathLike) -> dict[str, Any] | None:
 
 
 def build_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, warmup_steps: int = DEFAULT_WARMUP_STEPS,
-                 force: bool = False, log: Callable[[str], None] = print) -> Path:
+                 force: bool = False, log: Callable[[str], None] = print, kernels: str = "pinned") -> Path:
     """Build the addition bundle (tokenizer, models, data) into `out_dir` (atomically); a dir with
-    a matching manifest is kept, one built with other settings is an error unless `force`."""
+    a matching manifest is kept, one built with other settings is an error unless `force`.
+    kernels: "pinned" (a process of its own, unless this one has the pins) or "native" (here, on
+    whatever kernels this process has: the bytes depend on the machine)."""
     # The manifest entries that must match for an existing dir to count as the requested build.
     want = {"asset_version": ASSET_VERSION, "seed": seed, "warmup_steps": warmup_steps,
-            "target_accuracy": TARGET_ACCURACY}
+            "target_accuracy": TARGET_ACCURACY, "kernels": kernels}
+    again = dict(out_dir=str(out_dir), seed=seed, warmup_steps=warmup_steps, force=force)
     return _atomic_build(Path(out_dir), want, lambda tmp: _build_into(tmp, seed=seed, warmup_steps=warmup_steps,
-                                                                       log=log), force=force, log=log)
+                                                                       log=log), force=force, log=log,
+                         bundle="text", again=("build_assets", again),
+                         default=seed == DEFAULT_SEED and warmup_steps == DEFAULT_WARMUP_STEPS)
 
 
-def build_tool_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, force: bool = False,
-                      log: Callable[[str], None] = print, accuracy: bool = True) -> Path:
+def build_tool_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, warmup_steps: int | None = None,
+                      force: bool = False, log: Callable[[str], None] = print, accuracy: bool = True,
+                      kernels: str = "pinned") -> Path:
     """The tool task's bundle (assets/tools.py) into `out_dir`, atomically, like `build_assets`
-    (`accuracy=False`: without the manifest's accuracy figures)."""
-    want = {"asset_version": tools.TOOLS_VERSION, "seed": seed, "warmup_steps": tools.WARMUP_STEPS,
-            "target_accuracy": tools.TARGET_ACCURACY}
+    (`accuracy=False`: without the manifest's accuracy figures; warmup_steps: at most this many
+    warm-up steps, default tools.WARMUP_STEPS)."""
+    steps = tools.WARMUP_STEPS if warmup_steps is None else warmup_steps
+    want = {"asset_version": tools.TOOLS_VERSION, "seed": seed, "warmup_steps": steps,
+            "target_accuracy": tools.TARGET_ACCURACY, "kernels": kernels}
+    again = dict(out_dir=str(out_dir), seed=seed, warmup_steps=steps, force=force, accuracy=accuracy)
 
     def build(tmp: Path) -> dict[str, Any]:
         with _quiet_progress_bars():
-            return tools.build_tool_bundle(tmp, seed=seed, warmup_steps=tools.WARMUP_STEPS, log=log, accuracy=accuracy)
-    return _atomic_build(Path(out_dir), want, build, force=force, log=log)
+            return tools.build_tool_bundle(tmp, seed=seed, warmup_steps=steps, log=log, accuracy=accuracy)
+    return _atomic_build(Path(out_dir), want, build, force=force, log=log, bundle="tools",
+                         again=("build_tool_assets", again),
+                         default=seed == DEFAULT_SEED and steps == tools.WARMUP_STEPS)
 
 
 def build_vl_task_assets(out_dir: str | os.PathLike, *, seed: int = DEFAULT_SEED, warmup_steps: int | None = None,
-                         force: bool = False, log: Callable[[str], None] = print) -> Path:
+                         force: bool = False, log: Callable[[str], None] = print, kernels: str = "pinned") -> Path:
     """The VL bundle (assets/vl.py) into `out_dir`, atomically, like `build_assets`.
     warmup_steps: the warm-up's steps (default vl.WARMUP_STEPS; 0: the random-init model)."""
     from dapo_megatron.assets import vl
     steps = vl.WARMUP_STEPS if warmup_steps is None else warmup_steps
-    want = {"asset_version": vl.VL_VERSION, "seed": seed, "warmup_steps": steps}
+    want = {"asset_version": vl.VL_VERSION, "seed": seed, "warmup_steps": steps, "kernels": kernels}
+    again = dict(out_dir=str(out_dir), seed=seed, warmup_steps=steps, force=force)
 
     def build(tmp: Path) -> dict[str, Any]:
         with _quiet_progress_bars():
             return vl.build_vl_bundle(tmp, seed=seed, warmup_steps=steps, log=log)
-    return _atomic_build(Path(out_dir), want, build, force=force, log=log)
+    return _atomic_build(Path(out_dir), want, build, force=force, log=log, bundle="vl",
+                         again=("build_vl_task_assets", again),
+                         default=seed == DEFAULT_SEED and steps == vl.WARMUP_STEPS)
 
 
 def _atomic_build(out: Path, want: dict[str, Any], build: Callable[[Path], dict[str, Any]], *, force: bool,
-                  log: Callable[[str], None]) -> Path:
+                  log: Callable[[str], None], bundle: str, again: tuple[str, dict], default: bool) -> Path:
     """Build into a temp dir beside `out` under a file lock and rename it into place; a dir whose
     manifest matches `want` is kept. A dir built with other settings is an error unless `force`:
-    silently replacing assets that another run may be training from would be worse than asking."""
+    silently replacing assets that another run may be training from would be worse than asking.
+    A pinned build from a process without the pins runs `again` (builder, arguments) in a process
+    started with them. default: the recipe's own seed and steps (RECORDED_SHA256 applies)."""
+    if want["kernels"] not in kernels.KERNELS:
+        raise ValueError(f"kernels={want['kernels']!r}: one of {', '.join(kernels.KERNELS)}")
     out = out.expanduser().resolve()
+    if want["kernels"] == "pinned" and not kernels.pinned_here():
+        if _kept(out, want, force, log):
+            return out
+        return _build_pinned(bundle, *again, log=log)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(out.parent / f".{out.name}.lock"):
-        have = {k: (read_manifest(out) or {}).get(k) for k in want}
-        if have == want and not force:
-            log(f"tiny assets in {out} are up to date ({want}); nothing to do")
+        if _kept(out, want, force, log):
             return out
-        if out.exists() and any(out.iterdir()) and not force:
-            raise FileExistsError(f"{out} exists but was not built with {want} (its manifest: {have}); "
-                                  f"pass --force to rebuild it")
         tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
         try:
             manifest = build(tmp)
+            # what torch's kernels ran at (the pins took: DEFAULT), and the bytes they gave
+            manifest.update(kernels=want["kernels"], cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                            checksum=kernels.checksum(tmp))
+            if want["kernels"] == "pinned":
+                manifest["kernel_settings"] = kernels.PINNED
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
             _replace_dir(tmp, out)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     log(f"built tiny assets in {out} in {manifest['build_seconds']:.1f} s")
+    recorded, built = RECORDED_SHA256[bundle], manifest["checksum"]["sha256"]
+    if default and want["kernels"] == "pinned" and built != recorded:
+        print(f"warning: the {bundle} bundle built in {out} is sha256 {built[:12]}..., its recipe recorded "
+              f"{recorded[:12]}... (this build: torch {torch.__version__}, transformers {transformers.__version__}; "
+              "other versions or a CPU below x86-64-v2 build other bytes): the docs' figures may differ",
+              file=sys.stderr, flush=True)
     return out
+
+
+def _kept(out: Path, want: dict[str, Any], force: bool, log: Callable[[str], None]) -> bool:
+    """Whether `out` already holds the build `want` describes (then it is kept); an error if it
+    holds another one and `force` is not set."""
+    have = {k: (read_manifest(out) or {}).get(k) for k in want}
+    if have == want and not force:
+        log(f"tiny assets in {out} are up to date ({want}); nothing to do")
+        return True
+    if out.exists() and any(out.iterdir()) and not force:
+        raise FileExistsError(f"{out} exists but was not built with {want} (its manifest: {have}); "
+                              f"pass --force to rebuild it")
+    return False
+
+
+def _build_pinned(bundle: str, builder: str, kwargs: dict, *, log: Callable[[str], None]) -> Path:
+    """`builder(**kwargs)` in a process started with the pinned kernels (the libraries read them as
+    they load, so this process cannot take them up); its lines go to `log`, its errors to stderr."""
+    # the child must find its pins (else it would start a child of its own, and so on)
+    code = ("import json, sys; from dapo_megatron.assets import build, kernels; "
+            "sys.exit('the build process started without the pinned kernels') if not kernels.pinned_here() else "
+            "getattr(build, sys.argv[1])(**json.loads(sys.argv[2]), log=lambda line: print(line, flush=True))")
+    proc = subprocess.Popen([sys.executable, "-c", code, builder, json.dumps(kwargs)], stdout=subprocess.PIPE,
+                            text=True, env=kernels.pinned_env(os.environ))
+    try:
+        for line in proc.stdout:
+            log(line.rstrip("\n"))
+    except BaseException:  # Ctrl-C, a failing `log`: the build goes with its caller
+        proc.kill()
+        raise
+    if proc.wait() != 0:
+        raise RuntimeError(f"the {bundle} bundle's build into {kwargs['out_dir']} failed (exit {proc.returncode}): "
+                           "its error is above")
+    return Path(kwargs["out_dir"]).expanduser().resolve()
 
 
 def resolve_asset_path(path: str) -> str:
@@ -178,7 +258,7 @@ def resolve_asset_path(path: str) -> str:
                       f"{version}: rebuild them with `python -m dapo_megatron.assets build --bundle {bundle} "
                       f"--out {root} --force` for the figures the docs give", stacklevel=2)
     if manifest is None:
-        print(f"dapo-megatron: {path} is used for the first time: building the tiny assets in {root} (1-4 "
+        print(f"dapo-megatron: {path} is used for the first time: building the tiny assets in {root} (2-5 "
               f"minutes on 2 CPU cores, once; set ${ASSETS_ENV} to put them elsewhere)", file=sys.stderr, flush=True)
         start = time.perf_counter()
         build()
@@ -188,7 +268,25 @@ def resolve_asset_path(path: str) -> str:
     if not target.exists():
         names = sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
         raise FileNotFoundError(f"{path}: no {target.name!r} in the tiny assets at {root} (have: {names})")
+    _check_bundle(root, bundle)
     return str(target)
+
+
+_CHECKED: set[tuple[str, float]] = set()  # (bundle dir, its manifest's mtime): read once per process
+
+
+def _check_bundle(root: Path, bundle: str) -> None:
+    """The bundle's files are what its manifest recorded (a manifest without checksums: not
+    checked); one line naming the file, and how to build the bundle again, if not."""
+    key = (str(root), (root / MANIFEST).stat().st_mtime)
+    recorded = ((read_manifest(root) or {}).get("checksum") or {}).get("files")
+    if key in _CHECKED or not recorded:
+        return
+    problem = kernels.changed_file(root, recorded)
+    if problem:
+        raise AssetError(f"{problem}; build the bundle again with `python -m dapo_megatron.assets build --bundle "
+                         f"{bundle} --out {root} --force`")
+    _CHECKED.add(key)
 
 
 def _build_into(root: Path, *, seed: int, warmup_steps: int, log: Callable[[str], None]) -> dict[str, Any]:

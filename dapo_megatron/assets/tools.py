@@ -28,7 +28,7 @@ from dapo_megatron.toolcall.conversation import tool_turn_ids
 from dapo_megatron.toolcall.parse import parse_tool_calls
 from dapo_megatron.toolcall.registry import ToolRunner, load_tools
 
-TOOLS_VERSION = "tools-v1"
+TOOLS_VERSION = "tools-v2"
 MODEL_KIND = "qwen2"
 TARGET_ACCURACY = 0.3  # seed 0: reached after 150 steps (64 s), 0.34 train / 0.37 val sampled accuracy
 WARMUP_STEPS = 1000

@@ -27,7 +27,7 @@ def test_layout_and_manifest(tiny_assets):
             assert (tiny_assets / kind / name).is_file(), f"{kind}/{name}"
     assert (tiny_assets / "data" / "train.parquet").is_file() and (tiny_assets / "data" / "val.parquet").is_file()
     manifest = read_manifest(tiny_assets)
-    assert manifest["asset_version"] == "tiny-v1" and manifest["warmup_steps"] == 0
+    assert manifest["asset_version"] == "tiny-v2" and manifest["warmup_steps"] == 0
     assert manifest["tokenizer"]["vocab_size"] == 512 and manifest["data"]["train_rows"] == 80
     assert set(manifest["versions"]) >= {"torch", "transformers", "tokenizers"}
 
