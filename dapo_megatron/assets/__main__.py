@@ -9,6 +9,7 @@ import json
 
 import sys
 
+from dapo_megatron.assets import compare as compare_mod
 from dapo_megatron.assets.build import (DEFAULT_SEED, DEFAULT_WARMUP_STEPS, build_assets, build_tool_assets,
                                         build_vl_task_assets, default_asset_dir, read_manifest, tool_asset_dir,
                                         vl_asset_dir)
@@ -49,7 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     compare.add_argument("--json", default=None, help="write the results here as JSON")
     args = parser.parse_args(argv)
     if args.command == "compare":
-        from dapo_megatron.assets import compare as compare_mod
         return compare_mod.main(args)
     out = args.out or str(BUNDLES[args.bundle][0]())
     common = dict(seed=args.seed, force=args.force, kernels=args.kernels)

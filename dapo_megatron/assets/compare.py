@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from dapo_megatron.assets import kernels
+from dapo_megatron.assets.build import RECORDED_SHA256
 
 BUNDLES = ("text", "tools", "vl")
 SETTINGS = {  # name -> (kernels, environment over this machine's)
@@ -56,7 +57,6 @@ def compare(bundles=BUNDLES, *, work: Path, seed: int = 0, warmup_steps: Optiona
             settings=tuple(SETTINGS), log=print) -> dict:
     """Build each bundle under each setting into `work`; returns, per bundle, each setting's
     sha256 and seconds and the files each pair (pinned, native) differs in."""
-    from dapo_megatron.assets.build import RECORDED_SHA256
     results = {}
     for bundle in bundles:
         built, row = {}, {"settings": {}}
