@@ -30,12 +30,11 @@ def main() -> None:
         for setting, built in row["settings"].items():
             mode = compare.SETTINGS[setting][0]
             files = row[f"{mode}_differs_in"]
-            pair = "the same files" if not files else \
-                f"{len(files)} file{'s differ' if len(files) > 1 else ' differs'}: {', '.join(files)}"
             recorded = ""
             if mode == "pinned" and "pinned_is_recorded" in row:
                 recorded = "yes" if built["sha256"] == row["recorded_sha256"] else "NO"
-            rows.append([bundle, setting, built["sha256"][:16], f"{built['seconds']:.0f}", pair, recorded])
+            rows.append([bundle, setting, built["sha256"][:16], f"{built['seconds']:.0f}", compare.pair_text(files),
+                         recorded])
     steps = "each recipe's whole warm-up" if args.warmup_steps is None else f"{args.warmup_steps} warm-up steps"
     pinned_same = all(not row["pinned_differs_in"] for row in results.values())
     native_same = [b for b, row in results.items() if not row["native_differs_in"]]

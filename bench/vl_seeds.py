@@ -70,21 +70,22 @@ def main() -> None:
     seed_spread = max(spread(first), spread(last))
     val_gains = [r["val"][-1][1] - r["val"][0][1] for r in runs]
     val_ok = statistics.mean(val_gains) > 2 * spread(val_gains)
+    walls = [r["wall_s"] for r in runs]
     criteria = {"val_gain_mean": round(statistics.mean(val_gains), 4), "val_gain_spread": round(spread(val_gains), 4),
-                "val_learns": val_ok, "fifths_gain": round(gain, 4), "fifths_spread": round(seed_spread, 4),
-                "sampled_learns": gain > 2 * seed_spread}
+                "val_gain_range": [round(min(val_gains), 4), round(max(val_gains), 4)], "val_learns": val_ok,
+                "fifths_gain": round(gain, 4), "fifths_spread": round(seed_spread, 4),
+                "sampled_learns": gain > 2 * seed_spread, "wall_s": [round(min(walls)), round(max(walls))]}
     table = [[str(r["seed"]), " ".join(f"{a:.3f}" for a in r["fifths"]), " / ".join(f"{v:.3f}" for _, v in r["val"]),
               f"{r['val'][-1][1] - r['val'][0][1]:+.3f}", f"{r['fifths'][-1] - r['fifths'][0]:+.3f}"] for r in runs]
     table.append(["mean (spread)", " ".join(f"{m:.3f} ({s:.3f})" for m, s in zip(fifths_mean, fifths_sd)),
                   " / ".join(f"{statistics.mean(r['val'][i][1] for r in runs):.3f}" for i in range(len(val_steps))), "", ""])
     bundle = bundle_identity()
-    walls = [r["wall_s"] for r in runs]
     summary = (f"seeds {', '.join(str(r['seed']) for r in runs)}, {runs[0]['steps']} steps: greedy val "
                f"{runs[0]['val'][0][1]:.3f} -> " + " / ".join(f"{r['val'][-1][1]:.3f}" for r in runs)
                + f" ({'learns' if val_ok else 'does NOT learn'}); sampled accuracy first -> last fifth "
                f"{statistics.mean(first):.3f} -> {statistics.mean(last):.3f} "
                f"({'learns' if criteria['sampled_learns'] else 'does NOT learn'}); "
-               f"{min(walls):.0f}-{max(walls):.0f} s a run")
+               f"{criteria['wall_s'][0]}-{criteria['wall_s'][1]} s a run")
     write("vl_seeds", title="The VL demo over seeds", summary=summary,
           measures="`quickstart_vl` once per seed (`data.seed`, `rollout.seed`, `trainer.seed`), one run after the "
                    "other: the sampled accuracy by fifths of the steps, the greedy val accuracy at each validation.",
@@ -92,7 +93,7 @@ def main() -> None:
                         f"{' '.join(args.overrides) or 'none'}",
                         ["seed", f"sampled accuracy by fifths of the {runs[0]['steps']} steps",
                          "greedy val at steps " + " / ".join(map(str, val_steps)), "val gain", "last - first fifth"],
-                        table, note=_note(runs, criteria, bundle))],
+                        table, note=_note(criteria, bundle))],
           extra={"runs": runs, "criteria": criteria, "bundle": bundle})
     print(f"\ngreedy val, last - step 0: {criteria['val_gain_mean']:+.3f} vs twice its spread "
           f"{2 * criteria['val_gain_spread']:.3f}: {'yes' if val_ok else 'NO'}; sampled accuracy, last fifth "
@@ -100,15 +101,14 @@ def main() -> None:
           f"{'yes' if criteria['sampled_learns'] else 'NO'}")
 
 
-def _note(runs: list[dict], c: dict, bundle: dict) -> str:
-    gains = [r["val"][-1][1] - r["val"][0][1] for r in runs]
-    walls = [r["wall_s"] for r in runs]
+def _note(c: dict, bundle: dict) -> str:
     val = "learns" if c["val_learns"] else "does NOT learn"
     sampled = "learns" if c["sampled_learns"] else "does NOT learn"
-    return (f"Greedy validation, last minus step 0: {c['val_gain_mean']:+.3f} over the seeds ({min(gains):+.3f} to "
-            f"{max(gains):+.3f}) against twice its spread {2 * c['val_gain_spread']:.3f}: {val}. Sampled accuracy, "
+    low, high = c["val_gain_range"]
+    return (f"Greedy validation, last minus step 0: {c['val_gain_mean']:+.3f} over the seeds ({low:+.3f} to "
+            f"{high:+.3f}) against twice its spread {2 * c['val_gain_spread']:.3f}: {val}. Sampled accuracy, "
             f"last fifth minus first: {c['fifths_gain']:+.3f} against twice the seed spread "
-            f"{2 * c['fifths_spread']:.3f}: {sampled}. Each run took {min(walls):.0f}-{max(walls):.0f} s, from the "
+            f"{2 * c['fifths_spread']:.3f}: {sampled}. Each run took {c['wall_s'][0]}-{c['wall_s'][1]} s, from the "
             f"bundle {bundle['asset_version']} ({bundle['kernels']} kernels, sha256 {(bundle['sha256'] or '?')[:16]}).")
 
 

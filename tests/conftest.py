@@ -156,18 +156,8 @@ def in_pinned_process(function: str, **kwargs):
     """`module:function(**kwargs)` (JSON in and out) in a process started with the bundles' pinned
     CPU kernels (assets/kernels.py): what a build measured, measured again on the same kernels.
     (This process's kernels are its machine's own: a sampled token may round the other way.)"""
-    import json
-    import subprocess
-    import sys
-
     from dapo_megatron.assets import kernels
-    module, name = function.split(":")
-    code = (f"import json, sys; from {module} import {name}; "
-            f"print(json.dumps({name}(**json.loads(sys.argv[1]))))")
-    proc = subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True,
-                          env=kernels.pinned_env(os.environ), cwd=Path(__file__).parent.parent, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return kernels.call_pinned(function, kwargs, cwd=str(Path(__file__).parent.parent))
 
 
 def build_tool_bundle(root) -> Path:

@@ -23,7 +23,6 @@ import fcntl
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -59,7 +58,7 @@ WARMUP = dict(batch_size=64, lr=1e-3)
 EVAL = dict(samples_per_pair=8, temperature=1.0, max_new_tokens=16)
 STOP_CHECK = dict(samples_per_pair=4, temperature=1.0, max_new_tokens=16)  # cheaper, every 10 steps
 MODEL_KINDS = ("qwen2", "qwen3_moe")
-MANIFEST = "manifest.json"
+MANIFEST = kernels.MANIFEST
 TOOLS_DIR = "tools"  # tiny://tools/...: the tool task's bundle (tool_asset_dir())
 VL_NAMES = ("qwen3_vl_moe", "geo3k")  # tiny://qwen3_vl_moe, tiny://geo3k/...: the VL bundle (vl_asset_dir())
 TEXT_NAMES = ("tokenizer", "data", *MODEL_KINDS)  # the addition bundle's top-level dirs (default_asset_dir())
@@ -165,7 +164,7 @@ def _atomic_build(out: Path, want: dict[str, Any], build: Callable[[Path], dict[
     if want["kernels"] == "pinned" and not kernels.pinned_here():
         if _kept(out, want, force, log):
             return out
-        return _build_pinned(bundle, *again, log=log)
+        return _build_pinned(*again, log=log)
     out.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(out.parent / f".{out.name}.lock"):
         if _kept(out, want, force, log):
@@ -205,25 +204,9 @@ def _kept(out: Path, want: dict[str, Any], force: bool, log: Callable[[str], Non
     return False
 
 
-def _build_pinned(bundle: str, builder: str, kwargs: dict, *, log: Callable[[str], None]) -> Path:
-    """`builder(**kwargs)` in a process started with the pinned kernels (the libraries read them as
-    they load, so this process cannot take them up); its lines go to `log`, its errors to stderr."""
-    # the child must find its pins (else it would start a child of its own, and so on)
-    code = ("import json, sys; from dapo_megatron.assets import build, kernels; "
-            "sys.exit('the build process started without the pinned kernels') if not kernels.pinned_here() else "
-            "getattr(build, sys.argv[1])(**json.loads(sys.argv[2]), log=lambda line: print(line, flush=True))")
-    proc = subprocess.Popen([sys.executable, "-c", code, builder, json.dumps(kwargs)], stdout=subprocess.PIPE,
-                            text=True, env=kernels.pinned_env(os.environ))
-    try:
-        for line in proc.stdout:
-            log(line.rstrip("\n"))
-    except BaseException:  # Ctrl-C, a failing `log`: the build goes with its caller
-        proc.kill()
-        raise
-    if proc.wait() != 0:
-        raise RuntimeError(f"the {bundle} bundle's build into {kwargs['out_dir']} failed (exit {proc.returncode}): "
-                           "its error is above")
-    return Path(kwargs["out_dir"]).expanduser().resolve()
+def _build_pinned(builder: str, kwargs: dict, *, log: Callable[[str], None]) -> Path:
+    """`builder(**kwargs)` of this module in a process started with the pinned kernels."""
+    return Path(kernels.call_pinned(f"{__name__}:{builder}", kwargs, log=log))
 
 
 def resolve_asset_path(path: str) -> str:
@@ -279,10 +262,10 @@ def _check_bundle(root: Path, bundle: str) -> None:
     """The bundle's files are what its manifest recorded (a manifest without checksums: not
     checked); one line naming the file, and how to build the bundle again, if not."""
     key = (str(root), (root / MANIFEST).stat().st_mtime)
-    recorded = ((read_manifest(root) or {}).get("checksum") or {}).get("files")
-    if key in _CHECKED or not recorded:
+    if key in _CHECKED:
         return
-    problem = kernels.changed_file(root, recorded)
+    recorded = ((read_manifest(root) or {}).get("checksum") or {}).get("files")
+    problem = kernels.changed_file(root, recorded) if recorded else None
     if problem:
         raise AssetError(f"{problem}; build the bundle again with `python -m dapo_megatron.assets build --bundle "
                          f"{bundle} --out {root} --force`")

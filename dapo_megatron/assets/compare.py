@@ -53,6 +53,13 @@ def differing(a: dict, b: dict) -> list[str]:
     return sorted(name for name in fa.keys() | fb.keys() if fa.get(name) != fb.get(name))
 
 
+def pair_text(files: list[str]) -> str:
+    """What a pair of builds differs in, in words."""
+    if not files:
+        return "the same files"
+    return f"{len(files)} file{'s differ' if len(files) > 1 else ' differs'}: {', '.join(files)}"
+
+
 def compare(bundles=BUNDLES, *, work: Path, seed: int = 0, warmup_steps: Optional[int] = None,
             settings=tuple(SETTINGS), log=print) -> dict:
     """Build each bundle under each setting into `work`; returns, per bundle, each setting's
@@ -89,8 +96,7 @@ def main(args) -> int:
         for mode in ("pinned", "native"):
             files = row.get(f"{mode}_differs_in")
             if files is not None:
-                print(f"{bundle}: {mode} builds on this CPU and on a smaller one: "
-                      + (f"{len(files)} files differ: {', '.join(files)}" if files else "the same files"))
+                print(f"{bundle}: {mode} builds on this CPU and on a smaller one: {pair_text(files)}")
         failed |= bool(row.get("pinned_differs_in")) or row.get("pinned_is_recorded") is False
         if "pinned_is_recorded" in row:
             print(f"{bundle}: the pinned build {'is' if row['pinned_is_recorded'] else 'is NOT'} the recipe's "

@@ -14,9 +14,12 @@ time (docs/reproducibility.md, bench/assets_compare.py).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 MANIFEST = "manifest.json"
 
@@ -48,10 +51,46 @@ def pinned_here() -> bool:
     return all(os.environ.get(key) == value for key, value in PINNED.items())
 
 
+_RESULT = "pinned-call-result: "  # the child's last line: what the function returned, as JSON
+# The child must find its pins: without them a build would start a child of its own, and so on.
+_CHILD = ("import importlib, json, sys; from dapo_megatron.assets import kernels; "
+          "kernels.pinned_here() or sys.exit('the process started without the pinned kernels'); "
+          "module, name = sys.argv[1].split(':'); kwargs = json.loads(sys.argv[2]); "
+          "kwargs.update(log=lambda line: print(line, flush=True)) if sys.argv[3] == 'log' else None; "
+          "result = getattr(importlib.import_module(module), name)(**kwargs); "
+          f"print({_RESULT!r} + json.dumps(result, default=str), flush=True)")
+
+
+def call_pinned(function: str, kwargs: dict, *, log: Optional[Callable[[str], None]] = None,
+                cwd: Optional[str] = None) -> Any:
+    """`module:function(**kwargs)` in a process started with the pins (this one cannot take them
+    up: its libraries read them as they loaded); returns what it returned, through JSON. With
+    `log`, the function gets a `log` of its own whose lines come here; its errors go to stderr."""
+    proc = subprocess.Popen([sys.executable, "-c", _CHILD, function, json.dumps(kwargs), "log" if log else ""],
+                            stdout=subprocess.PIPE, text=True, env=pinned_env(os.environ), cwd=cwd)
+    result = None
+    try:
+        for line in proc.stdout:
+            if line.startswith(_RESULT):
+                result = json.loads(line[len(_RESULT):])
+            elif log is not None:
+                log(line.rstrip("\n"))
+    except BaseException:  # Ctrl-C, a failing `log`: the child goes with its caller
+        proc.kill()
+        raise
+    if proc.wait() != 0:
+        raise RuntimeError(f"{function} in a process with the pinned kernels failed (exit {proc.returncode}): "
+                           "its error is above")
+    return result
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def file_digests(root: Path) -> dict[str, str]:
     """sha256 of every file of a bundle but its manifest, by path relative to `root`."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST}
+    return {str(p.relative_to(root)): _sha256(p) for p in sorted(root.rglob("*")) if p.is_file() and p.name != MANIFEST}
 
 
 def bundle_sha256(digests: Mapping[str, str]) -> str:
@@ -75,7 +114,7 @@ def changed_file(root: Path, recorded: Mapping[str, str]) -> Optional[str]:
         path = root / name
         if not path.is_file():
             return f"{path} is missing ({root / MANIFEST} lists it)"
-        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        digest = _sha256(path)
         if digest != recorded[name]:
             return (f"{path} changed since its bundle was built: its sha256 is {digest[:12]}..., {root / MANIFEST} "
                     f"recorded {recorded[name][:12]}...")
