@@ -80,14 +80,15 @@ class Correction:
     @property
     def metric_names(self) -> tuple[str, ...]:
         """The metrics `rollout_correction` reports with these settings."""
-        return (("is_weight_mean", "is_masked_frac") if self.is_level else ()) + (
+        return (("is_weight_mean", "is_masked_frac", "is_clipfrac") if self.is_level else ()) + (
             ("rejected_frac",) if self.rs or self.veto_threshold else ())
 
 
 def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: Optional[torch.Tensor], mask: torch.Tensor,
                        c: Correction) -> tuple[torch.Tensor, dict]:
     """Per-token factors [B, T] (detached: IS weight, 0 where masked or rejected) and metrics
-    (is_weight_mean, is_masked_frac, rejected_frac: token fractions of this batch)."""
+    (is_weight_mean; token fractions of this batch: is_masked_frac, is_clipfrac the weights
+    truncated at is_threshold, rejected_frac)."""
     if rollout_logprobs is None:
         raise ValueError("actor.rollout_correction needs the engine's log-probs (rollout_logprobs) and got none")
     mask = mask.bool()
@@ -100,13 +101,16 @@ def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: Optional[to
             agg = {"token": "token", "sequence": "seq_sum", "geometric": "seq_mean"}[c.is_level]
             w = torch.exp(_seq(agg)(safe, mask).clamp(-SAFETY, SAFETY)).expand_as(log_rho)
             if c.is_mode == "truncate":
+                clipped = w > c.is_threshold  # [B, T]: the weights the clamp lowers
                 w = w.clamp(max=c.is_threshold)
                 out_of_band = torch.zeros_like(mask)
             else:
+                clipped = torch.zeros_like(mask)
                 out_of_band = (w < c.is_lower) | (w > c.is_threshold)
             factor = torch.where(out_of_band, torch.zeros_like(w), w)
             metrics["is_weight_mean"] = _mean(factor, mask & ~out_of_band)
             metrics["is_masked_frac"] = _mean(out_of_band.float(), mask)
+            metrics["is_clipfrac"] = _mean(clipped.float(), mask)
         rejected = torch.zeros_like(mask)
         if c.rs is not None:
             agg, est = c.rs.rsplit("_", 1)

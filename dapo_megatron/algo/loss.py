@@ -162,7 +162,7 @@ def compute_policy_loss(old_logprobs: torch.Tensor, logprobs: torch.Tensor, adva
       pg_clipfrac_lower  lower clip active
       pg_clipfrac_dual   dual clip active: A < 0 and the loss is bounded by -A * clip_ratio_c (dapo)
       ppo_kl             mean of old_logprobs - logprobs
-      is_weight_mean, is_masked_frac, rejected_frac   (with a correction; algo/correction.py)
+      is_weight_mean, is_masked_frac, is_clipfrac, rejected_frac   (with a correction; algo/correction.py)
     """
     if policy_loss not in POLICY_LOSSES:
         raise ValueError(f"unknown policy loss {policy_loss!r}; set actor.policy_loss to one of "

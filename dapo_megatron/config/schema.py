@@ -80,7 +80,10 @@ class OffloadConfig:
 class RolloutCorrectionConfig:
     """Engine vs trainer mismatch, rho = pi_old / pi_rollout per token (algo/correction.py; verl's
     algorithm.rollout_correction). The one home of rollout correction."""
-    is_level: Optional[str] = None  # importance weights: token | sequence | geometric; null: none
+    # importance weights: token | sequence | geometric | none (null: none). auto: token where trained
+    # tokens can be off-policy (trainer.mode one_step_off / async), none in sync mode; resolved once,
+    # by config/validate.py, so a run's config.yaml records the level it trained with
+    is_level: Optional[str] = "auto"
     is_mode: str = "truncate"  # truncate: weights clamped at is_threshold; mask: zero outside the band
     is_threshold: float = 2.0  # the weights' upper bound (truncate) or the band's top (mask)
     is_threshold_lower: Optional[float] = None  # mask: the band's bottom; null: 1 / is_threshold

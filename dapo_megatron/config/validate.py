@@ -31,7 +31,7 @@ CHOICES: dict[str, tuple] = {
     "trainer.stale_strategy": ("drop", "wait"),
     "actor.loss_agg_mode": tuple(LOSS_AGG_MODES),
     "actor.policy_loss": tuple(POLICY_LOSSES),
-    "actor.rollout_correction.is_level": (None, *IS_LEVELS),
+    "actor.rollout_correction.is_level": (None, "none", "auto", *IS_LEVELS),
     "actor.rollout_correction.is_mode": IS_MODES,
     "actor.rollout_correction.rs": (None, *RS_CRITERIA),
     "actor.kl_loss_type": tuple(KL_KINDS),
@@ -161,6 +161,7 @@ def _check_algorithm(cfg: DapoConfig) -> None:
     _require(needs is None or a.loss_agg_mode == needs, "actor.loss_agg_mode",
              f"actor.policy_loss={a.policy_loss} is a sequence-level objective: set actor.loss_agg_mode={needs} "
              f"(got {a.loss_agg_mode}), or actor.policy_loss=gspo_token for its token form")
+    a.rollout_correction.is_level = correction_level(cfg)
     _check_correction(a.rollout_correction)
     d = cfg.data
     _require(d.gen_batch_size >= d.train_batch_size, "data.gen_batch_size",
@@ -168,6 +169,16 @@ def _check_algorithm(cfg: DapoConfig) -> None:
     _require(d.train_batch_size % a.ppo_mini_batch_size == 0, "actor.ppo_mini_batch_size",
              f"actor.ppo_mini_batch_size ({a.ppo_mini_batch_size}) must divide data.train_batch_size "
              f"({d.train_batch_size})")
+
+
+def correction_level(cfg: DapoConfig) -> Optional[str]:
+    """actor.rollout_correction.is_level resolved: `auto` is token-level truncated weights whenever a
+    trained token can come from older weights than the proximal policy's (one_step_off, async), none
+    in sync mode, where the engine holds the trained weights; `none` is null."""
+    level = cfg.actor.rollout_correction.is_level
+    if level == "auto":
+        return "token" if cfg.trainer.mode != "sync" else None
+    return None if level == "none" else level
 
 
 def _check_correction(c) -> None:

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-from dapo_megatron.algo import RS_CRITERIA
+from dapo_megatron.algo import IS_LEVELS, RS_CRITERIA
 from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.dtypes import BY_ANY_NAME
 
@@ -163,11 +163,14 @@ def _is_null(value: str) -> bool:
 
 
 def _rollout_is(value: str) -> list[str]:
+    """verl's level; its null said aloud is no correction (ours would otherwise weigh the tokens of an
+    off-policy mode: actor.rollout_correction.is_level=auto)."""
     level = _bare(value).lower()
     if _is_null(level):
-        return []
-    if level not in ("token", "sequence"):
-        raise ValueError(f"rollout_is={_bare(value)} is not one of token, sequence (actor.rollout_correction.is_level)")
+        return [f"{_RC}is_level=none"]
+    if level not in IS_LEVELS:
+        raise ValueError(f"rollout_is={_bare(value)} is not one of {', '.join(IS_LEVELS)} "
+                         f"(actor.rollout_correction.is_level)")
     return [f"{_RC}is_level={level}"]
 
 
@@ -512,12 +515,14 @@ def _cross_key(key: str, value: str, values: dict[str, str]) -> Outcome:
             return Outcome(key, value, "accepted", reason="algorithm.kl_ctrl.kl_coef=0: no KL in the reward")
         return _resolve_one(key, value)
     if key == "algorithm.rollout_correction.rollout_is_threshold":
-        if not _is_null(values.get("algorithm.rollout_correction.rollout_is", "")):
-            band = "_" in v  # "lower_upper": IcePop's band, tokens outside it masked
-            return Outcome(key, value, "translated",
-                           tuple(_threshold(f"{_RC}is_threshold", v)) + ((f"{_RC}is_mode=mask",) if band else ()))
-        return Outcome(key, value, "ignored", reason="no effect without algorithm.rollout_correction.rollout_is",
-                       warn=True)
+        # unset, rollout_is leaves our default level (auto: token weights in the off-policy modes), which
+        # this bounds; null turns the weights off
+        if _is_null(values.get("algorithm.rollout_correction.rollout_is", "x")):
+            return Outcome(key, value, "ignored", reason="no effect with algorithm.rollout_correction.rollout_is=null",
+                           warn=True)
+        band = "_" in v  # "lower_upper": IcePop's band, tokens outside it masked
+        return Outcome(key, value, "translated",
+                       tuple(_threshold(f"{_RC}is_threshold", v)) + ((f"{_RC}is_mode=mask",) if band else ()))
     if key == _A + "megatron.optimizer_offload":
         if _is_true(v) and _is_true(values.get(_OOC + "optimizer_cpu_offload", "false")):
             return Outcome(key, value, "translated", ("actor.offload.optimizer=false",),

@@ -39,7 +39,7 @@ from dapo_megatron.weights import load_hf_checkpoint
 # Metrics summed over micro-batches and DP: losses are already shares of the mini-batch loss;
 # fractions are weighted by the micro-batch's token count and divided by the total at the end.
 _SUMMED = ("pg_loss", "entropy", "kl_loss")
-_CORRECTION = ("is_weight_mean", "is_masked_frac", "rejected_frac")  # algo/correction.py's
+_CORRECTION = ("is_weight_mean", "is_masked_frac", "is_clipfrac", "rejected_frac")  # algo/correction.py's
 _TOKEN_WEIGHTED = ("pg_clipfrac", "pg_clipfrac_lower", "pg_clipfrac_dual", "ppo_kl") + _CORRECTION
 # The rollout-vs-trainer gap (algo.rollout_logprob_metrics), measured by the update itself when
 # no old-log-prob pass ran (`ActorConfig.reuses_update_forward`): means by token, the max by max.

@@ -407,6 +407,7 @@ def test_killed_engine_is_a_clear_error_not_a_hang(tp2_killed):
     # GSPO under the correction: its metrics, in range (fp32 engine and trainer: nearly nothing to drop)
     row = tp2_killed.rows[0]
     assert 0.9 < row["actor/is_weight_mean"] < 1.1 and row["actor/is_masked_frac"] == 0.0, row
+    assert row["actor/is_clipfrac"] == 0.0, row  # a mask band zeroes weights, it truncates none
     # A sequence's mean k3 is at most k3 of its largest engine-trainer gap (rollout/logprob_diff_max):
     # below rs_threshold nothing may be rejected (a rollout log-prob one token off, gaps of order 1,
     # rejects most sequences)

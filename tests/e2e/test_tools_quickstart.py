@@ -37,6 +37,7 @@ def test_tools_quickstart_two_steps_early_stop(tool_assets, tmp_path, capsys, lo
         # the sequence the actor scores, exactly where the engine had them.
         assert r["rollout/logprob_diff_max"] < 1e-3
         assert 0.9 < r["actor/is_weight_mean"] <= 2.0 and r["actor/grad_norm"] > 0
+        assert r["actor/is_clipfrac"] == 0.0  # fp32 on both sides: no weight reaches the cap of 2
     assert (out / "checkpoints" / "step_2").is_dir()
     assert any("val/" in k for r in rows for k in r)
     # Its validation samples 2 answers per prompt (val_kwargs.n): mean@2, pass@k, maj@k under our

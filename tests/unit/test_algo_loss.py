@@ -6,6 +6,7 @@ import torch
 
 from dapo_megatron.algo import (LOSS_AGG_MODES, Correction, agg_loss, compute_policy_loss, loss_normalizer_counts,
                                 masked_mean)
+from dapo_megatron.algo.correction import rollout_correction
 
 NAN = float("nan")
 # Row 0 full, row 1 one token, row 2 empty; garbage (NaN) in a masked slot must not leak.
@@ -89,6 +90,18 @@ def test_dual_clip_must_exceed_one():
         compute_policy_loss(old, logprobs, adv, mask, clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=1.0)
 
 
+def test_is_clipfrac_counts_the_unmasked_weights_truncated():
+    """actor/is_clipfrac: the share of the batch's tokens whose weight the cap lowered; a padded
+    token (weight 8 here) is not one of them, and a mask band truncates nothing."""
+    old = torch.zeros(2, 3)
+    rollout = torch.log(torch.tensor([[0.25, 2.0, 0.125], [1.0, 0.4, 1.0]]))  # weights 4, 0.5, 8 | 1, 2.5, 1
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    _, m = rollout_correction(old, rollout, mask, Correction(is_level="token", is_threshold=2.0))
+    assert m["is_clipfrac"].item() == pytest.approx(2 / 5)  # 4 and 2.5 of the five unmasked
+    _, m = rollout_correction(old, rollout, mask, Correction(is_level="token", is_mode="mask", is_threshold=2.0))
+    assert m["is_clipfrac"].item() == 0 and m["is_masked_frac"].item() == pytest.approx(2 / 5)
+
+
 def test_truncated_importance_sampling():
     zeros = torch.zeros(1, 2)
     rollout = torch.tensor([[-math.log(2.0), math.log(2.0)]])  # weights exp(0 - rollout) = 2 -> cap 1.5, 0.5
@@ -98,6 +111,7 @@ def test_truncated_importance_sampling():
                                   correction=tis, **kwargs)
     assert loss.item() == pytest.approx((-1.5 - 0.5) / 2)
     assert m["is_weight_mean"].item() == pytest.approx(1.0) and m["is_masked_frac"].item() == 0
+    assert m["is_clipfrac"].item() == 0.5  # the 2 the cap lowered, of two tokens
     plain, m = compute_policy_loss(zeros, zeros, torch.ones(1), torch.ones(1, 2), rollout_logprobs=rollout, **kwargs)
     assert plain.item() == pytest.approx(-1.0) and "is_weight_mean" not in m
     with pytest.raises(ValueError, match="rollout_logprobs"):

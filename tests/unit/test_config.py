@@ -99,6 +99,22 @@ def test_old_logprob_pass_is_skipped_only_exactly_on_policy():
     assert not vl.actor.reuses_update_forward(vl.rollout.n, vl.data.train_batch_size * vl.rollout.n)
 
 
+@pytest.mark.parametrize("overrides,level", [
+    ([], "token"),  # quickstart_async: async, batches up to two pushes behind
+    (["trainer.mode=one_step_off", "trainer.max_staleness=1"], "token"),
+    (["trainer.mode=sync", "trainer.max_staleness=1"], None),  # the engine holds the weights it trains
+    (["actor.rollout_correction.is_level=none"], None),
+    (["actor.rollout_correction.is_level=null"], None),
+    (["actor.rollout_correction.is_level=geometric"], "geometric"),
+])
+def test_the_correction_is_on_by_default_where_trained_tokens_can_be_off_policy(overrides, level):
+    """actor.rollout_correction.is_level=auto, resolved once by validation (the run's config.yaml
+    records the level it trained with): token-level truncated weights in one_step_off and async."""
+    cfg = load_config("quickstart_async", overrides)
+    assert cfg.actor.rollout_correction.is_level == level
+    assert load_config("quickstart").actor.rollout_correction.is_level is None
+
+
 def test_verl_overrides_translate_to_our_keys():
     cfg = load_config("quickstart", [
         "actor_rollout_ref.actor.clip_ratio_high=0.3", "actor_rollout_ref.rollout.n=4",

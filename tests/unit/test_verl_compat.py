@@ -112,6 +112,14 @@ TRANSLATED = [
     (["+async_training.partial_rollout=False", *SPLIT], "trainer.partial_rollout", False),
     (["+trainer.v1.sampler.max_off_policy_strategy=wait", "+trainer.v1.trainer_mode=separate_async", *SPLIT],
      "trainer.stale_strategy", "wait"),
+    (["algorithm.rollout_correction.rollout_is=geometric"], "actor.rollout_correction.is_level", "geometric"),
+    # the off-policy modes weigh tokens by default (is_level=auto): verl's threshold bounds those weights,
+    # and its null said aloud turns them off
+    (["+trainer.v1.trainer_mode=separate_async", *SPLIT], "actor.rollout_correction.is_level", "token"),
+    (["+trainer.v1.trainer_mode=separate_async", "algorithm.rollout_correction.rollout_is_threshold=3.0", *SPLIT],
+     "actor.rollout_correction.is_threshold", 3.0),
+    (["+trainer.v1.trainer_mode=separate_async", "algorithm.rollout_correction.rollout_is=null", *SPLIT],
+     "actor.rollout_correction.is_level", None),
 ]
 
 
@@ -182,9 +190,16 @@ IGNORED = ["actor_rollout_ref.actor.fsdp_config.param_offload=True", "+actor_rol
            "+actor_rollout_ref.actor.optim.override_optimizer_config.use_torch_optimizer_for_cpu_offload=True",
            "actor_rollout_ref.rollout.max_model_len=22528", "++transfer_queue.controller.polling_mode=True",
            "+data.min_response_length=4096", "trainer.log_val_generations=10", "data.val_batch_size=64",
-           "algorithm.rollout_correction.rollout_is_threshold=2.0",  # no effect without rollout_is
            # `+`-added keys that verl's config lacks and no verl code reads (the 2025 NPU recipe's)
            "+actor_rollout_ref.critic.optim.lr=5e-8", "+actor_rollout_ref.rollout.rollout_world_size=16"]
+
+
+def test_a_threshold_with_rollout_is_null_is_ignored_with_one_warning():
+    with pytest.warns(UserWarning, match=r"rollout_is_threshold") as record:
+        cfg = load_config("quickstart", ["algorithm.rollout_correction.rollout_is=null",
+                                         "algorithm.rollout_correction.rollout_is_threshold=3.0"])
+    assert len([w for w in record if "ignored" in str(w.message)]) == 1
+    assert cfg == _cfg() and cfg.actor.rollout_correction.is_threshold == 2.0
 
 
 @pytest.mark.parametrize("item", IGNORED)
