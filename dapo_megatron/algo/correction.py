@@ -63,6 +63,11 @@ class Correction:
     rs_threshold_lower: Optional[float] = None  # k1 only; None: 1 / rs_threshold
     veto_threshold: Optional[float] = None
 
+    def __post_init__(self):
+        if self.is_level is not None and self.is_level not in IS_LEVELS:  # the config's auto / none
+            raise ValueError(f"actor.rollout_correction.is_level={self.is_level!r} is resolved by the config's "
+                             f"validation (load_config); pass one of {', '.join(IS_LEVELS)} or None")
+
     @property
     def active(self) -> bool:
         return self.is_level is not None or self.rs is not None or self.veto_threshold is not None

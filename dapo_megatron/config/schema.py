@@ -116,13 +116,20 @@ class ActorConfig:
     # the old-log-prob pass) | rollout (R3: old log-probs and the update replay the engine's routes)
     router_replay: str = "off"
     # auto: when the update is exactly on-policy (one epoch over one mini-batch) the old log-probs
-    # are its own forward, detached, and no separate pass runs; recompute: always the pass.
+    # are its own forward, detached, and no separate pass runs; recompute: always the pass;
+    # rollout: the engine's log-probs are pi_old (verl's bypass mode: two policies, no pass, the
+    # clipped ratio pi / pi_rollout its only correction)
     old_logprobs: str = "auto"
 
     def reuses_update_forward(self, n: int, responses: int) -> bool:
         """Whether a step of `responses` (rollout.n = `n`) skips the old-log-prob pass: before the
         only optimizer step, the policy being trained is the proximal one, so ratio = 1 exactly."""
         return self.old_logprobs == "auto" and self.ppo_epochs == 1 and responses <= self.ppo_mini_batch_size * n
+
+    def runs_old_logprob_pass(self, n: int, responses: int) -> bool:
+        """Whether a step computes old log-probs in a pass of their own (not the engine's, not the
+        update's own forward)."""
+        return self.old_logprobs != "rollout" and not self.reuses_update_forward(n, responses)
 
 
 @dataclass

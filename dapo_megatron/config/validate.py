@@ -38,7 +38,7 @@ CHOICES: dict[str, tuple] = {
     "actor.optim.lr_scheduler": ("constant", "cosine", "linear"),
     "actor.recompute_granularity": ("", "full", "selective"),
     "actor.router_replay": ("off", "actor", "rollout"),
-    "actor.old_logprobs": ("auto", "recompute"),
+    "actor.old_logprobs": ("auto", "recompute", "rollout"),
     "model.dtype": tuple(DTYPES),
     "data.truncation": ("filter", "left", "right", "error"),
     "algorithm.adv_estimator": ("grpo",),
@@ -163,6 +163,8 @@ def _check_algorithm(cfg: DapoConfig) -> None:
              f"(got {a.loss_agg_mode}), or actor.policy_loss=gspo_token for its token form")
     a.rollout_correction.is_level = correction_level(cfg)
     _check_correction(a.rollout_correction)
+    if a.old_logprobs == "rollout":
+        _check_bypass(a)
     d = cfg.data
     _require(d.gen_batch_size >= d.train_batch_size, "data.gen_batch_size",
              f"data.gen_batch_size ({d.gen_batch_size}) must be >= data.train_batch_size ({d.train_batch_size})")
@@ -176,9 +178,21 @@ def correction_level(cfg: DapoConfig) -> Optional[str]:
     trained token can come from older weights than the proximal policy's (one_step_off, async), none
     in sync mode, where the engine holds the trained weights; `none` is null."""
     level = cfg.actor.rollout_correction.is_level
-    if level == "auto":
-        return "token" if cfg.trainer.mode != "sync" else None
+    if level == "auto":  # with actor.old_logprobs=rollout, pi_old is pi_rollout: nothing to weigh
+        return "token" if cfg.trainer.mode != "sync" and cfg.actor.old_logprobs != "rollout" else None
     return None if level == "none" else level
+
+
+def _check_bypass(a) -> None:
+    """actor.old_logprobs=rollout (verl's bypass mode): no correction on top, no pass to record routes in."""
+    c, k = a.rollout_correction, "actor.rollout_correction."
+    for name in ("is_level", "rs", "veto_threshold"):
+        _require(getattr(c, name) is None, k + name,
+                 f"actor.old_logprobs=rollout makes the engine's log-probs pi_old: the ratio pi / pi_rollout is "
+                 f"already the correction (verl's bypass mode applies no weights with ppo_clip); unset {k}{name}")
+    _require(a.router_replay != "actor", "actor.router_replay",
+             "actor.router_replay=actor records the routes in the old-log-prob pass, which "
+             "actor.old_logprobs=rollout does not run: use actor.router_replay=rollout (the engine's routes)")
 
 
 def _check_correction(c) -> None:

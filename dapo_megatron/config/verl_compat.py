@@ -154,6 +154,7 @@ _RC = "actor.rollout_correction."
 # verl's first rejection API named the aggregation alone and bounded the ratio: our k1 criteria.
 _OLD_RS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
 _LOSS_MODES = {"vanilla": ["actor.policy_loss=dapo"], "cispo": ["actor.policy_loss=cispo"],
+               "bypass_mode": ["actor.policy_loss=dapo", "actor.old_logprobs=rollout"],  # its ppo_clip form
                # verl runs its GSPO (the token form) with seq-mean-token-mean forced: our gspo, said aloud
                "gspo": ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"]}
 
@@ -280,6 +281,8 @@ VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     _M + "override_config.max_position_embeddings": _max_positions,
     _M + "override_config.model_config.max_position_embeddings": _max_positions,
     "algorithm.rollout_correction.rollout_is": _rollout_is,
+    # bypass mode: pi_old is the rollout's log-probs (two policies, no old-log-prob pass)
+    "algorithm.rollout_correction.bypass_mode": lambda v: ["actor.old_logprobs=rollout"] if _is_true(v) else [],
     "algorithm.rollout_correction.rollout_rs": _rollout_rs,
     "algorithm.rollout_correction.rollout_rs_threshold": lambda v: _threshold(f"{_RC}rs_threshold", v),
     "algorithm.rollout_correction.rollout_rs_threshold_lower": lambda v: [f"{_RC}rs_threshold_lower={float(_bare(v))}"],
@@ -317,6 +320,8 @@ FIXED_VALUES: dict[str, tuple[str, str]] = {
                                             "algorithm.kl_ctrl.kl_coef=0"),
     "algorithm.filter_groups.fill_to_train_bsz": ("true", "dynamic sampling always fills data.train_batch_size "
                                                           "(within algorithm.filter_groups.max_num_gen_batches)"),
+    "algorithm.rollout_correction.loss_type": ("ppo_clip", "bypass mode trains the clipped objective on "
+                                                           "pi / pi_rollout; its REINFORCE form is not built"),
     "algorithm.rollout_correction.rollout_is_batch_normalize": ("false", "IS weights are truncated or banded, "
                                                                          "not normalised to a batch mean of 1 "
                                                                          "(actor.rollout_correction)"),

@@ -126,7 +126,7 @@ class Trainer(Moments):
             batch.advantages = compute_grpo_advantages(torch.tensor(batch.scores), torch.tensor(batch.group),
                                                        norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo).tolist()
             lp_metrics = {}
-            if not cfg.actor.reuses_update_forward(cfg.rollout.n, len(batch)):  # else the update's forward is it
+            if cfg.actor.runs_old_logprob_pass(cfg.rollout.n, len(batch)):  # else the update's forward or the engine's
                 with self.timed("old_logprob"):
                     written, lp_metrics = train.step_logprobs(batch, "actor")
                 batch.fields += tuple(written)  # old_logprobs, and the routes when the actor records them

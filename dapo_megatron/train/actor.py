@@ -146,7 +146,7 @@ class Actor:
         self.scheduler.step(1)  # warm-up counts RL steps; step 1 trains with lr / warmup, not 0
         if minis is None:
             minis = self.minibatches(batch.sequence_lengths, batch.loss_mask.bool().sum(1).tolist())
-        if batch.old_logprobs is None and not self.cfg.reuses_update_forward(self.n, sum(c[1] for _, c in minis)):
+        if batch.old_logprobs is None and self.cfg.runs_old_logprob_pass(self.n, sum(c[1] for _, c in minis)):
             raise ValueError(f"Actor.update needs batch.old_logprobs (from compute_logprobs): with {len(minis)} "
                              f"mini-batches x {self.cfg.ppo_epochs} epochs (actor.old_logprobs={self.cfg.old_logprobs}) "
                              "the update's own forward is not the old policy")
@@ -207,10 +207,12 @@ class Actor:
         data = {}
         if micro.old_logprobs is not None:
             old = micro.old_logprobs.to(dev)
-        else:  # exactly on-policy (update's check): the weights scoring now are the proximal policy
-            old = logprobs.detach()
+        else:  # the engine's (actor.old_logprobs=rollout), or exactly on-policy: the weights scoring now
+            if cfg.old_logprobs == "rollout" and rollout is None:
+                raise ValueError("actor.old_logprobs=rollout needs the engine's log-probs (rollout_logprobs)")
+            old = rollout if cfg.old_logprobs == "rollout" else logprobs.detach()
             if rollout is not None:
-                gap = rollout_logprob_metrics(rollout, old, mask)
+                gap = rollout_logprob_metrics(rollout, logprobs.detach(), mask)
                 data.update({k: float(gap[k]) * float(ntok) for k in _GAP}, **{k: float(gap[k]) for k in _MAXED})
         pg_loss, m = compute_policy_loss(
             old, logprobs, micro.advantages.to(dev), mask,  # advantages [b]

@@ -10,7 +10,7 @@ import os
 import torch
 
 from dapo_megatron.batch import RolloutBatch
-from dapo_megatron.config.schema import ActorConfig, OptimConfig, ParallelConfig, RefConfig
+from dapo_megatron.config.schema import ActorConfig, OptimConfig, ParallelConfig, RefConfig, RolloutCorrectionConfig
 
 
 def pack(obj) -> bytes:
@@ -55,7 +55,8 @@ def actor_config(parallel: dict, **over) -> ActorConfig:
     optim = OptimConfig(**{**dict(lr=1e-4, weight_decay=0.1, lr_warmup_steps=0, clip_grad=1.0),
                            **over.pop("optim", {})})
     kw = dict(ppo_mini_batch_size=4, ppo_epochs=1, max_tokens_per_microbatch=1 << 14, clip_ratio_c=3.0,
-              entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1)
+              entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.1,
+              rollout_correction=RolloutCorrectionConfig(is_level=None))  # as validation resolves it in sync mode
     kw.update(over)
     return ActorConfig(parallel=ParallelConfig(**parallel), optim=optim, **kw)
 
@@ -93,13 +94,15 @@ def run_updates(hf_dir: str, parallel: dict, batch: RolloutBatch, over: dict, st
     exported (HF-named) weights of this rank before and after, and the lr.
 
     `over["old"]`: the old log-probs are the pass's plus noise (`perturbed`, the clips engage),
-    the pass's exactly (`exact`), or none (`update`: the update's own forward); with the last two
-    the batch carries engine log-probs (the pass's + noise) and `gap` is their expected metrics."""
+    the pass's exactly (`exact`), none (`update`: the update's own forward), the engine's given as
+    old log-probs (`as_rollout`), or none with actor.old_logprobs=rollout (`rollout`: the engine's
+    taken by the update); with all but the first the batch carries engine log-probs (the pass's +
+    noise) and `gap` is their expected metrics."""
     from dapo_megatron.algo import rollout_logprob_metrics
     from dapo_megatron.train.actor import Actor
     over = dict(over)
     old = over.pop("old", "perturbed")
-    config = actor_config(parallel, **over)
+    config = actor_config(parallel, **over, **({"old_logprobs": "rollout"} if old == "rollout" else {}))
     actor = Actor(config, hf_dir, n=2)
     before = export_weights(actor.chunks)
     batch = batch.select(list(range(len(batch))))  # a copy: the module's batch stays as it is
@@ -111,7 +114,7 @@ def run_updates(hf_dir: str, parallel: dict, batch: RolloutBatch, over: dict, st
     else:
         batch.rollout_logprobs = (perturbed_old(current, seed=7) - current) * 0.05 * batch.loss_mask + current
         gap = {k: float(v) for k, v in rollout_logprob_metrics(batch.rollout_logprobs, current, batch.loss_mask).items()}
-        batch.old_logprobs = current if old == "exact" else None
+        batch.old_logprobs = {"exact": current, "as_rollout": batch.rollout_logprobs}.get(old)
         batch.ref_logprobs = current - 0.05
     metrics = [actor.update(batch) for _ in range(steps)]
     return {"metrics": metrics, "logprobs": everywhere(actor.compute_logprobs(batch))["logprobs"],

@@ -58,8 +58,10 @@ def results(tiny_hf_models, batch):
             if layout == "tp1":  # 1 vs 4 micro-batches
                 updates += [dict(max_tokens_per_microbatch=1 << 14),
                             dict(max_tokens_per_microbatch=four_bin_budget(batch))]
-            if layout in ON_POLICY:  # the two-pass update, then the update as its own old policy
-                updates += [dict(max_tokens_per_microbatch=MAX_TOKENS, old=old) for old in ("exact", "update")]
+            if layout in ON_POLICY:  # the two-pass update, then the update as its own old policy; the
+                # engine's log-probs as old ones, given, then taken by the update (actor.old_logprobs=rollout)
+                updates += [dict(max_tokens_per_microbatch=MAX_TOKENS, old=old)
+                            for old in ("exact", "update", "as_rollout", "rollout")]
             blobs = run_workers(actor_jobs.layout_job, world, [tiny_hf_models[m] for m in models], parallel,
                                 batch, MAX_TOKENS, tiny_hf_models["moe"], updates, layout == "tp1", timeout_s=300)
             cache[layout] = [actor_jobs.unpack(b) for b in blobs]
@@ -164,7 +166,7 @@ def test_on_policy_update_is_the_two_pass_update(layout, results):
     moves the weights as the update after an old-log-prob pass does, to 1e-6, and measures the
     engine-vs-trainer gap that pass would have (rollout/*)."""
     for rank, res in enumerate(results(layout)):
-        exact, shortcut = res["updates"][-2:]
+        exact, shortcut = res["updates"][-4:-2]
         actor_jobs.assert_same_weights(shortcut, exact, 1e-6, f"{layout} rank {rank}")
         assert _maxdiff(shortcut["logprobs"], exact["logprobs"]) <= 1e-6
         for key, value in exact["metrics"][0].items():
@@ -173,6 +175,25 @@ def test_on_policy_update_is_the_two_pass_update(layout, results):
         gap = {k: shortcut["metrics"][0][k] for k in exact["gap"]}
         assert gap == pytest.approx(exact["gap"], abs=1e-6) and gap["rollout/logprob_diff_max"] > 1e-3
         assert "rollout/logprob_diff_max" not in exact["metrics"][0]  # the pass measures it there
+
+
+@pytest.mark.parametrize("layout", ON_POLICY)
+def test_bypass_mode_trains_against_the_engines_logprobs(layout, results):
+    """actor.old_logprobs=rollout (verl's bypass mode): no old log-probs in the batch, the update
+    takes the engine's as pi_old: the weights move as with the engine's log-probs given as the old
+    ones, to 1e-6, and its forward measures the engine-vs-trainer gap (rollout/*)."""
+    for rank, res in enumerate(results(layout)):
+        given, bypass = res["updates"][-2:]
+        actor_jobs.assert_same_weights(bypass, given, 1e-6, f"{layout} rank {rank}")
+        moved = max(float((w - bypass["before"][k]).abs().max()) for k, w in bypass["weights"].items())
+        assert moved > 1e-4  # the step moved them: the check means something
+        for key, value in given["metrics"][0].items():
+            if key != "actor/tokens_per_s":
+                assert bypass["metrics"][0][key] == pytest.approx(value, abs=1e-6), key
+        gap = {k: bypass["metrics"][0][k] for k in bypass["gap"]}
+        assert gap == pytest.approx(bypass["gap"], abs=1e-6) and gap["rollout/logprob_diff_max"] > 1e-3
+        # pi_old is pi_rollout, not the update's own forward: the ratio departs from 1
+        assert bypass["metrics"][0]["actor/ppo_kl"] != pytest.approx(0.0, abs=1e-6)
 
 
 def test_update_without_old_logprobs_is_refused_off_policy(results):

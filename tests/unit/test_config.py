@@ -97,6 +97,11 @@ def test_old_logprob_pass_is_skipped_only_exactly_on_policy():
     assert not load_config("quickstart", ["actor.old_logprobs=recompute"]).actor.reuses_update_forward(n, batch)
     vl = load_config("quickstart_vl")  # 2 mini-batches of 4 prompts
     assert not vl.actor.reuses_update_forward(vl.rollout.n, vl.data.train_batch_size * vl.rollout.n)
+    assert vl.actor.runs_old_logprob_pass(vl.rollout.n, vl.data.train_batch_size * vl.rollout.n)
+    # bypass mode: the engine's log-probs are the old ones, with any number of mini-batches and epochs
+    bypass = load_config("quickstart_vl", ["actor.old_logprobs=rollout", "actor.ppo_epochs=2"]).actor
+    assert not bypass.runs_old_logprob_pass(vl.rollout.n, vl.data.train_batch_size * vl.rollout.n)
+    assert not actor.runs_old_logprob_pass(n, batch)
 
 
 @pytest.mark.parametrize("overrides,level", [
@@ -106,6 +111,7 @@ def test_old_logprob_pass_is_skipped_only_exactly_on_policy():
     (["actor.rollout_correction.is_level=none"], None),
     (["actor.rollout_correction.is_level=null"], None),
     (["actor.rollout_correction.is_level=geometric"], "geometric"),
+    (["actor.old_logprobs=rollout"], None),  # bypass mode: pi_old is pi_rollout, nothing to weigh
 ])
 def test_the_correction_is_on_by_default_where_trained_tokens_can_be_off_policy(overrides, level):
     """actor.rollout_correction.is_level=auto, resolved once by validation (the run's config.yaml
@@ -209,6 +215,11 @@ RULES = [
     (["actor.policy_loss=gspo"], "actor.loss_agg_mode"),  # a sequence-level objective, refused with token-mean
     (["actor.policy_loss=ppo2"], "actor.policy_loss"),
     (["actor.old_logprobs=skip"], "actor.old_logprobs"),
+    # bypass mode: pi_old is the engine's, so no correction on top and no pass to record routes in
+    (["actor.old_logprobs=rollout", "actor.rollout_correction.is_level=token"], "actor.rollout_correction.is_level"),
+    (["actor.old_logprobs=rollout", "actor.rollout_correction.veto_threshold=1e-4"],
+     "actor.rollout_correction.veto_threshold"),
+    (["actor.old_logprobs=rollout", "actor.router_replay=actor"], "actor.router_replay"),
     (["trainer.mode=fully_async"], "trainer.mode"),
     (["trainer.mode=async"], "trainer.placement"),
     (["trainer.max_staleness=0"], "trainer.max_staleness"),

@@ -113,6 +113,9 @@ TRANSLATED = [
     (["+trainer.v1.sampler.max_off_policy_strategy=wait", "+trainer.v1.trainer_mode=separate_async", *SPLIT],
      "trainer.stale_strategy", "wait"),
     (["algorithm.rollout_correction.rollout_is=geometric"], "actor.rollout_correction.is_level", "geometric"),
+    (["algorithm.rollout_correction.bypass_mode=True"], "actor.old_logprobs", "rollout"),
+    (["algorithm.rollout_correction.bypass_mode=False"], "actor.old_logprobs", "auto"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"], "actor.old_logprobs", "rollout"),
     # the off-policy modes weigh tokens by default (is_level=auto): verl's threshold bounds those weights,
     # and its null said aloud turns them off
     (["+trainer.v1.trainer_mode=separate_async", *SPLIT], "actor.rollout_correction.is_level", "token"),
@@ -129,7 +132,8 @@ def test_translated(overrides, key, value):
     assert _get(_cfg(*overrides), key) == value
 
 
-ACCEPTED = ["algorithm.use_kl_in_reward=False", "reward_model.reward_manager=dapo", "algorithm.adv_estimator=grpo",
+ACCEPTED = ["algorithm.rollout_correction.loss_type=ppo_clip",
+            "algorithm.use_kl_in_reward=False", "reward_model.reward_manager=dapo", "algorithm.adv_estimator=grpo",
             "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.model.override_config.attention_dropout=0.",
             "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=1",
             "reward.reward_manager.name=dapo", "actor_rollout_ref.model.override_config.resid_pdrop=0.",
@@ -254,6 +258,7 @@ REFUSED = [
     (["algorithm.rollout_correction.rollout_rs=seq_max_k1"], "actor.rollout_correction.rs"),
     (["algorithm.rollout_correction.rollout_is_batch_normalize=True"], "actor.rollout_correction"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov"], "actor.policy_loss"),
+    (["algorithm.rollout_correction.loss_type=reinforce"], "REINFORCE form is not built"),
     (["actor_rollout_ref.model.lora_rank=8"], "LoRA"),
     (["+reward_model.reward_kwargs.format_score=0.1"], "no dapo-megatron equivalent"),
     (["actor_rollout_ref.actor.megatron.dtype=int8"], "bfloat16"),
