@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import json
-
 import sys
 
 from dapo_megatron.assets import compare as compare_mod

@@ -295,8 +295,7 @@ def _build_into(root: Path, *, seed: int, warmup_steps: int, log: Callable[[str]
                      "python": sys.version.split()[0]},
         "build_seconds": round(time.perf_counter() - start, 2),
     }
-    (root / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    return manifest  # written by build._atomic_build, with the kernels and the checksum
 
 
 def _build_model(kind: str, model_dir: Path, tokenizer_dir: Path, tokenizer, *, seed: int,

@@ -9,7 +9,6 @@ RL headroom; the accuracy is measured by real multi-turn sampling with the real 
 """
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -170,5 +169,4 @@ def build_tool_bundle(root: Path, *, seed: int, warmup_steps: int, log: Callable
                 "data": {"data_source": tool_task.DATA_SOURCE, "train_rows": len(train_rows),
                          "val_rows": len(val_rows)},
                 "build_seconds": round(time.perf_counter() - start, 2)}
-    (root / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    return manifest  # written by build._atomic_build, with the kernels and the checksum

@@ -145,8 +145,7 @@ def build_vl_bundle(root: Path, *, seed: int, warmup_steps: int, log: Callable[[
                          "val_rows": N_VAL},
                 "versions": {"torch": torch.__version__, "python": sys.version.split()[0]},
                 "build_seconds": round(time.perf_counter() - start, 2)}
-    (root / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
-    return manifest
+    return manifest  # written by build._atomic_build, with the kernels and the checksum
 
 
 def _warm_up(model, processor, train, val, *, seed: int, steps: int) -> dict[str, Any]:

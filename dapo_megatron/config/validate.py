@@ -161,7 +161,6 @@ def _check_algorithm(cfg: DapoConfig) -> None:
     _require(needs is None or a.loss_agg_mode == needs, "actor.loss_agg_mode",
              f"actor.policy_loss={a.policy_loss} is a sequence-level objective: set actor.loss_agg_mode={needs} "
              f"(got {a.loss_agg_mode}), or actor.policy_loss=gspo_token for its token form")
-    a.rollout_correction.is_level = correction_level(cfg)
     _check_correction(a.rollout_correction)
     if a.old_logprobs == "rollout":
         _check_bypass(a)
@@ -173,7 +172,7 @@ def _check_algorithm(cfg: DapoConfig) -> None:
              f"({d.train_batch_size})")
 
 
-def correction_level(cfg: DapoConfig) -> Optional[str]:
+def _correction_level(cfg: DapoConfig) -> Optional[str]:
     """actor.rollout_correction.is_level resolved: `auto` is token-level truncated weights whenever a
     trained token can come from older weights than the proximal policy's (one_step_off, async), none
     in sync mode, where the engine holds the trained weights; `none` is null."""
@@ -434,6 +433,7 @@ def _check_router_replay(cfg: DapoConfig, spec: ModelSpec, engine) -> None:
 
 def validate(cfg: DapoConfig, spec: Optional[ModelSpec] = None) -> DapoConfig:
     _check_choices(cfg)
+    cfg.actor.rollout_correction.is_level = _correction_level(cfg)  # the one value resolved here
     _check_positive(cfg)
     _check_algorithm(cfg)
     check_reward(cfg.reward)
