@@ -258,6 +258,10 @@ class TrainerConfig:
     # dropped when it finishes, its prompt back in the stream (drop), or the batch it would miss
     # waits for it (wait): verl's max_off_policy_strategy
     stale_strategy: str = "drop"
+    # async partial rollouts: the share of a batch's groups that may hold a token older than the
+    # weights it trains from (started before the last push): verl's staleness_threshold. The
+    # rollout manager starts no stale group past the share; null: only max_staleness bounds them.
+    stale_share: Optional[float] = None
     total_training_steps: Optional[int] = None  # null: derived from total_epochs
     total_epochs: int = 1
     save_freq: int = -1  # -1: only at the end / on SIGTERM

@@ -323,6 +323,14 @@ def _check_mode(cfg: DapoConfig) -> None:
     _require(t.stale_strategy == "drop" or t.carries_in_flight, "trainer.stale_strategy",
              f"trainer.stale_strategy={t.stale_strategy} acts on groups carried across batches: it needs "
              "trainer.mode=async with trainer.partial_rollout=true (otherwise none is carried)")
+    # Beyond one push of lag the bound would hold a batch asked two steps ahead for a push that comes
+    # after a validation queued behind it (the manager's calls run in order): a share < 1 of one
+    # push's lag is verl's staleness_threshold; whole steps of lag are max_staleness.
+    _require(t.stale_share is None or (0 <= t.stale_share < 1 and t.carries_in_flight and t.max_staleness == 1),
+             "trainer.stale_share",
+             f"trainer.stale_share={t.stale_share} bounds the share of a batch's groups started before its last "
+             "push: it needs trainer.mode=async with trainer.partial_rollout=true and trainer.max_staleness=1, and "
+             "a share in [0, 1) (null: no bound; more lag: trainer.max_staleness)")
     # async streams prompts to the engines; recipe rounds would wait for each round's tail
     _require(t.mode != "async" or cfg.algorithm.filter_groups.mode == "early_stop", "algorithm.filter_groups.mode",
              "trainer.mode=async streams prompts (early-stop dynamic sampling): set "

@@ -20,6 +20,7 @@ from typing import Callable
 
 from dapo_megatron.algo import IS_LEVELS, RS_CRITERIA
 from dapo_megatron.config.errors import ConfigError
+from dapo_megatron.config.verl_fully_async import Plan, is_fully_async
 from dapo_megatron.dtypes import BY_ANY_NAME
 
 _ARR = "actor_rollout_ref."
@@ -256,9 +257,10 @@ def _sync_every(key: str) -> Callable[[str], list[str]]:
     return rule
 
 
-_FULLY_ASYNC = ("this key of verl's fully asynchronous recipe has no counterpart; the asynchronous mode here is "
-                "trainer.mode=async with trainer.placement=split: trainer.max_staleness (policy versions a trained "
-                "token may lag), trainer.partial_rollout, rollout.num_devices (the engines' devices)")
+_FULLY_ASYNC = ("this key of verl's fully asynchronous recipe has no counterpart (the translated ones: "
+                "config/verl_fully_async.py); the asynchronous mode here is trainer.mode=async with "
+                "trainer.placement=split: trainer.max_staleness (policy versions a trained token may lag), "
+                "trainer.stale_share, trainer.partial_rollout, rollout.num_devices (the engines' devices)")
 
 
 # verl key -> its value mapped to our overrides (a ValueError refuses the value).
@@ -295,11 +297,9 @@ VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     "trainer.v1.sampler.max_off_policy_threshold": _lag_bound,
     "trainer.v1.sampler.max_off_policy_strategy": _lag_strategy,
     "trainer.v1.separate_async.parameter_sync_step": _sync_every("trainer.v1.separate_async.parameter_sync_step"),
-    "async_training.trigger_parameter_sync_step": _sync_every("async_training.trigger_parameter_sync_step"),
-    "async_training.partial_rollout": lambda v: [*_ASYNC, f"trainer.partial_rollout={str(_is_true(v)).lower()}"],
 }
 # Rules whose outcome must win over a key they override (Hydra keeps the last value).
-LATE = (_RO + "val_kwargs.do_sample", "data.filter_overlong_prompts")
+LATE = (_RO + "val_kwargs.do_sample", "data.filter_overlong_prompts", "rollout.test_freq")
 # Why a strategy value is accepted: the layout it trains with is ours.
 STRATEGY_NOTE = ("dapo-megatron trains with the Megatron actor whatever the strategy; its layout is actor.parallel "
                  "(tp/pp/ep, default 1: data parallel over all devices, like FSDP)")
@@ -406,8 +406,8 @@ UNSUPPORTED: list[tuple[re.Pattern, str]] = [(re.compile(rx), why) for rx, why i
     (r"^actor_rollout_ref\.actor\.megatron\.override_transformer_config\.num_layers_in_(first|last)_pipeline_stage$",
      "uneven pipeline stages are not supported; choose actor.parallel.pp dividing the layer count "
      "(or actor.parallel.vpp)"),
-    (r"^async_training\..*$|^trainer\.v1\.separate_async\..*$|^rollout\.(nnodes|n_gpus_per_node|total_rollout_steps)$|"
-     r"^algorithm\.filter_groups\.max_inflight_gen_batches$", _FULLY_ASYNC),
+    (r"^async_training\..*$|^trainer\.v1\.separate_async\..*$|^rollout\.(nnodes|n_gpus_per_node|total_rollout_steps|"
+     r"test_freq|total_epochs)$|^algorithm\.filter_groups\.max_inflight_gen_batches$", _FULLY_ASYNC),
     (r"^actor_rollout_ref\.model\.override_config\..*$",
      "model config overrides other than zero dropout and max_position_embeddings are not applied; edit the "
      "model's config.json instead"),
@@ -481,9 +481,20 @@ def resolve(overrides: list[str]) -> list[Outcome]:
         key, _, value = item[len(prefix):].partition("=")
         items.append((item, key, value))
     values = {key: _bare(value) for _, key, value in items}
-    return [_cross_key(key, value, values) if key in SAME_AS or key in _CROSS_KEYS
+    plan = Plan(values) if is_fully_async(values) else None
+    return [_fully_async(plan, key, value) if plan is not None and plan.handles(key)
+            else _cross_key(key, value, values) if key in SAME_AS or key in _CROSS_KEYS
             else _added_key(item, _resolve_one(key, value)) if is_verl_key(key)
             else Outcome(key, value, "ours", (item,)) for item, key, value in items]
+
+
+def _fully_async(plan: Plan, key: str, value: str) -> Outcome:
+    """A key of verl's fully asynchronous recipe: its outcome reads the script's other keys."""
+    try:
+        action, ours, reason = plan.outcome(key)
+    except ValueError as exc:
+        return Outcome(key, value, "refused", reason=str(exc))
+    return Outcome(key, value, action, ours, reason, warn=action == "ignored")
 
 
 # Where a `+`-added key is handed on to code that reads it (a reward function's kwargs, a model or
@@ -544,7 +555,9 @@ def _cross_key(key: str, value: str, values: dict[str, str]) -> Outcome:
 def ordered_overrides(outcomes: list[Outcome]) -> list[str]:
     """Our overrides from the outcomes, refused ones left out, the LATE rules last (Hydra keeps the
     last value)."""
-    return [x for o in sorted(outcomes, key=lambda o: o.key in LATE) if o.action != "refused" for x in o.ours]
+    out = [x for o in sorted(outcomes, key=lambda o: o.key in LATE) if o.action != "refused" for x in o.ours]
+    # keys read together (verl's fully asynchronous ones) repeat an override: its last place kept
+    return list(reversed(dict.fromkeys(reversed(out))))
 
 
 def translate_overrides(overrides: list[str]) -> list[str]:

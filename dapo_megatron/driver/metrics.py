@@ -215,17 +215,23 @@ class PhaseLog:
         self._file.close()
 
 
-def staleness(versions: list[tuple[int, int]], syncs: int, bound: int) -> dict:
+def staleness(versions: list[tuple[int, int]], syncs: int, bound: int, share: float | None = None) -> dict:
     """Per response, the pushes its oldest token lags the weights it trains (the engine records
-    each token's policy version); a response sampled across a push is partial. A lag past
-    `bound` cannot happen by construction (a batch is asked `bound` steps ahead at most): it is
-    a bug in the version record, and training on it would break the staleness contract."""
+    each token's policy version); a response sampled across a push is partial, one that lags at
+    all is stale. A lag past `bound`, or a stale share past `share` (trainer.stale_share), cannot
+    happen by construction (a batch is asked `bound` steps ahead at most; the rollout manager
+    starts no stale group past the share): it is a bug in the version record or the collection,
+    and training on it would break the staleness contract."""
     lags = [syncs - oldest for oldest, _ in versions]
     if max(lags) > bound or min(lags) < 0:
         raise RuntimeError(f"a response's policy lag {max(lags)} (oldest version {min(v for v, _ in versions)}, "
                            f"{syncs} weight pushes done) is outside [0, trainer.batches_ahead={bound}]")
+    stale = sum(lag > 0 for lag in lags) / len(lags)
+    if share is not None and stale > share + 1e-9:
+        raise RuntimeError(f"{stale:.3f} of the batch's responses started before its last push: past "
+                           f"trainer.stale_share={share}")
     return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags)),
-            "rollout/partial_frac": sum(a != b for a, b in versions) / len(versions)}
+            "rollout/partial_frac": sum(a != b for a, b in versions) / len(versions), "rollout/stale_share": stale}
 
 
 def batch_metrics(step, metrics: dict, resident_bytes: int) -> dict:

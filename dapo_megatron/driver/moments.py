@@ -48,6 +48,7 @@ class Moments:
         except CheckpointError as exc:  # raised in a training rank; Ray wraps it with its traceback
             raise CheckpointError(str(getattr(exc, "cause", None) or exc)) from None
         self.step, self.syncs, self.checkpoint = state["step"], state["syncs"], path
+        self.stale_responses = state.get("stale_responses", 0)  # (not in checkpoints before 2026-12)
         roles.get("rollout manager", self.ctx.manager.load_state_dict.remote(state))
         moved = self.logger.rewind(self.step)
         later = f"; the metrics of {moved} later steps (their weights were not saved) moved to " \
@@ -61,11 +62,12 @@ class Moments:
         with self.timed("sync", [what]), self.in_sync(what):
             sync_weights(self.ctx.train, self.ctx.engines, self.cfg.rollout.sync,
                          verify=self.cfg.rollout.sync.verify_every > 0, version=self.syncs)
+        self.ctx.manager.pushed.remote(self.syncs)
 
     def state_dict(self) -> dict:
         """Counters, and the manager's prompt position and sampler state: a resume continues the stream."""
         before = self.pending[0].step if self.pending else None  # untrained batches' prompts go back
-        return {"step": self.step, "syncs": self.syncs,
+        return {"step": self.step, "syncs": self.syncs, "stale_responses": self.stale_responses,
                 **roles.get("rollout manager", self.ctx.manager.state_dict.remote(before))}
 
     def save(self) -> None:

@@ -55,6 +55,7 @@ class Trainer(Moments):
     deaths: object = None  # the manager's long poll for dead engines (driver/recovery.py)
     engine_restarts: int = 0
     syncing: Optional[str] = None  # the weight sync under way (`in_sync`)
+    stale_responses: int = 0  # trained so far that started before their step's last push (checkpointed)
 
     @contextlib.contextmanager
     def in_sync(self, what: str):
@@ -156,6 +157,7 @@ class Trainer(Moments):
             self.syncs += 1
             metrics = sync_weights(self.ctx.train, self.ctx.engines, self.cfg.rollout.sync, lost=lost,
                                    verify=verify_due(self.cfg, self.syncs), version=self.syncs)
+        self.ctx.manager.pushed.remote(self.syncs)  # a collection holding prompts for it goes on
         replace_lost_in_sync(self, lost or [])  # before the time share wakes every engine's KV cache
         self.share.after_sync(self)
         return metrics
@@ -172,7 +174,9 @@ class Trainer(Moments):
         for s in range(asked + 1, min(self.step + 1 + ahead, self.ctx.total_steps) + 1):
             self.pending.append(self._request(s))
         if batch is not None:
-            metrics.update(staleness(batch.versions, self.syncs, ahead))
+            metrics.update(staleness(batch.versions, self.syncs, ahead, self.cfg.trainer.stale_share))
+            self.stale_responses += round(metrics["rollout/stale_share"] * len(batch))
+            metrics["rollout/stale_responses_total"] = float(self.stale_responses)
         return batch, metrics
 
     def _request(self, step: int) -> Request:

@@ -205,6 +205,12 @@ class RolloutManager:
         self.health.replace(engine, handle, count)
 
     @ray.method(concurrency_group="control")
+    def pushed(self, version: int) -> None:
+        """The driver pushed policy `version` into the engines: a collection bounding its stale
+        share (trainer.stale_share) starts fresh groups from now on."""
+        self.collection.pushed(version)
+
+    @ray.method(concurrency_group="control")
     def state_dict(self, before: Optional[int] = None) -> dict:
         """What a checkpoint needs to resume the stream exactly (the keys older checkpoints have);
         `before`: as it was before the batch of that step was collected (a batch not yet trained;

@@ -4,7 +4,8 @@
 
 Reads the script's shell variables (`NAME=value`, `${NAME:-default}`, `$((a + b))`, arrays
 `NAME=(...)` used as `"${NAME[@]}"`), expands
-them into the verl command line (`python3 -m recipe.dapo.main_dapo key=value ...`, also behind
+them into the verl command line (`python3 -m recipe.dapo.main_dapo key=value ...`, or the fully
+asynchronous recipe's `fully_async_main`, also behind
 `ray job submit ... --`), and resolves each override with `config/verl_compat.py`: translated,
 accepted, ignored (with the reason) or refused (with what to do instead). Exit code 0 when every
 key resolved, 1 when some were refused (the printed command leaves them out), 2 on bad input.
@@ -19,7 +20,7 @@ import sys
 import time
 from typing import Callable
 
-ENTRY_MODULES = ("main_dapo", "main_ppo", "verl.trainer")
+ENTRY_MODULES = ("main_dapo", "main_ppo", "verl.trainer", "fully_async_main")
 _ASSIGN = re.compile(r"^\s*(?:export\s+)?([A-Za-z_][A-Za-z0-9_]*)=(.*)$")
 _ARRAY = re.compile(r"^\s*([A-Za-z_][A-Za-z0-9_]*)=\((.*)$")
 _ARRAY_USE = re.compile(r"\"?\$\{([A-Za-z_][A-Za-z0-9_]*)\[@\]\}\"?")

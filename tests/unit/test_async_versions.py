@@ -58,7 +58,11 @@ def test_a_push_before_the_first_token_leaves_one_version():
 def test_staleness_from_the_recorded_versions():
     from dapo_megatron.driver.metrics import staleness
     got = staleness([(3, 3), (2, 3), (1, 2), (3, 3)], syncs=3, bound=2)
-    assert got == {"rollout/staleness_mean": 0.75, "rollout/staleness_max": 2.0, "rollout/partial_frac": 0.5}
+    assert got == {"rollout/staleness_mean": 0.75, "rollout/staleness_max": 2.0, "rollout/partial_frac": 0.5,
+                   "rollout/stale_share": 0.5}  # two of four lag at all
+    assert staleness([(3, 3), (2, 3), (1, 2), (3, 3)], syncs=3, bound=2, share=0.5)["rollout/stale_share"] == 0.5
+    with pytest.raises(RuntimeError, match=r"0.500 of the batch's responses .*trainer.stale_share=0.25"):
+        staleness([(3, 3), (2, 3), (1, 2), (3, 3)], syncs=3, bound=2, share=0.25)
     with pytest.raises(RuntimeError, match=r"policy lag 3 .*trainer.batches_ahead=2"):
         staleness([(0, 1), (3, 3)], syncs=3, bound=2)
     with pytest.raises(RuntimeError, match="outside"):  # a version the trainer has not pushed yet

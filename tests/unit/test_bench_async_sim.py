@@ -84,15 +84,19 @@ def in_process_ray(monkeypatch):
         actor.kill()
 
 
+def _tiny(sim, update_s: float = 0.4):
+    return sim.Cluster(engines=1, slots=16, a=0.02, b=1e-4, p0=0.01, p_tok=1e-5, prompt_len=(8, 16), length_median=20.0,
+                       length_sigma=0.5, solve=(1.0, 1.0), logprob_s=(0.2, 0.0), update_s=(update_s, 0.0), sync_s=0.2,
+                       score_s=0.001, overrides=("data.train_batch_size=4", "data.gen_batch_size=6",
+                                                 "actor.ppo_mini_batch_size=4", "rollout.n=4",
+                                                 "data.max_response_length=64"))
+
+
 def test_async_sim_runs_the_trainer_loop(in_process_ray, tmp_path, monkeypatch):
     sim = _load("async_sim")
     results = sys.modules["results"]
     monkeypatch.setattr(results, "machine_speed", lambda: {"python_loop_s": 0.0})  # a second of timing loops
-    tiny = sim.Cluster(engines=1, slots=16, a=0.02, b=1e-4, p0=0.01, p_tok=1e-5, prompt_len=(8, 16), length_median=20.0,
-                       length_sigma=0.5, solve=(1.0, 1.0), logprob_s=(0.2, 0.0), update_s=(0.4, 0.0), sync_s=0.2,
-                       score_s=0.001, overrides=("data.train_batch_size=4", "data.gen_batch_size=6",
-                                                 "actor.ppo_mini_batch_size=4", "rollout.n=4",
-                                                 "data.max_response_length=64"))
+    tiny = _tiny(sim)
     runs, simulate = [], sim.simulate  # the rows of each mode's run, as large_table gets them
     monkeypatch.setattr(sim, "simulate", lambda *a, **kw: runs.append(simulate(*a, **kw)) or runs[-1])
     steps = sim.WARMUP + 1  # the fewest large_table reports on
@@ -112,3 +116,20 @@ def test_async_sim_runs_the_trainer_loop(in_process_ray, tmp_path, monkeypatch):
     doc = json.load(open(path))
     assert all(doc[k] for k in results.REQUIRED) and doc["tables"][0]["id"] == "large"
     assert len(doc["tables"][0]["columns"]) == len(doc["tables"][0]["rows"][0]) == 12
+
+
+def test_the_stale_share_is_bounded_with_a_slow_trainer(in_process_ray):
+    """trainer.stale_share=0.25 (verl's staleness_threshold) of a 4-group batch: one group may start
+    before the push its batch trains after. The trainer takes 3 s (virtual) a step, the engine ~0.1 s a
+    group, so without the bound the whole next batch would be generated stale meanwhile (async at
+    max_staleness 1); with it the manager starts one, holds the other prompts for the push (the
+    driver's `pushed`), and aborts the carried groups past the quota when a collection starts."""
+    sim = _load("async_sim")
+    mode = [*sim.MODES["async k=1"], "trainer.stale_share=0.25"]
+    # virtual time 10x the wall clock: an update of 0.3 s against generation of a few ms, even on a busy machine
+    bounded, free = (sim.simulate(_tiny(sim, update_s=3.0), m, 6, 10.0, 1) for m in (mode, sim.MODES["async k=1"]))
+    shares = [r["rollout/stale_share"] for r in bounded]
+    assert max(shares) <= 0.25 and shares[0] == 0.0, shares  # the driver would stop past it
+    assert sum(r["timing/stale_hold"] for r in bounded) > 0  # prompts waited for a push
+    assert max(r["rollout/stale_share"] for r in free) > 0.25  # the bound is what held it
+    assert bounded[-1]["rollout/stale_responses_total"] == sum(round(s * 16) for s in shares)

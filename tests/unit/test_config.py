@@ -121,6 +121,24 @@ def test_the_correction_is_on_by_default_where_trained_tokens_can_be_off_policy(
     assert load_config("quickstart").actor.rollout_correction.is_level is None
 
 
+@pytest.mark.parametrize("overrides,ok", [
+    (["trainer.max_staleness=1", "trainer.stale_share=0.5"], True),
+    (["trainer.max_staleness=1", "trainer.stale_share=0"], True),  # on-policy: every prompt waits for its push
+    (["trainer.stale_share=0.5"], False),  # quickstart_async lags two pushes: whole steps are max_staleness
+    (["trainer.max_staleness=1", "trainer.stale_share=1.0"], False),  # a share below 1
+    (["trainer.max_staleness=1", "trainer.stale_share=-0.1"], False),
+    (["trainer.max_staleness=1", "trainer.partial_rollout=false", "trainer.stale_share=0.5"], False),  # nothing carried
+    (["trainer.mode=one_step_off", "trainer.max_staleness=1", "trainer.stale_share=0.5"], False),
+])
+def test_the_stale_share_bounds_async_partial_rollouts_of_one_push(overrides, ok):
+    if ok:
+        assert load_config("quickstart_async", overrides).trainer.stale_share == float(overrides[-1].split("=")[1])
+        return
+    with pytest.raises(ConfigError) as err:
+        load_config("quickstart_async", overrides)
+    assert err.value.key == "trainer.stale_share" and len(str(err.value).splitlines()) == 1, str(err.value)
+
+
 def test_verl_overrides_translate_to_our_keys():
     cfg = load_config("quickstart", [
         "actor_rollout_ref.actor.clip_ratio_high=0.3", "actor_rollout_ref.rollout.n=4",

@@ -109,7 +109,25 @@ TRANSLATED = [
     (["+trainer.v1.trainer_mode=separate_async", "+trainer.v1.sampler.max_off_policy_threshold=2",
       "+trainer.v1.separate_async.parameter_sync_step=1", *SPLIT], "trainer.max_staleness", 2),
     (["+trainer.v1.trainer_mode=separate_async", *SPLIT], "algorithm.filter_groups.mode", "early_stop"),
-    (["+async_training.partial_rollout=False", *SPLIT], "trainer.partial_rollout", False),
+    (["+async_training.partial_rollout=False", "+async_training.staleness_threshold=1", *SPLIT],
+     "trainer.partial_rollout", False),
+    # verl's fully asynchronous recipe: a step is a push period, the threshold a share of stale groups
+    (["+async_training.staleness_threshold=0.5", *SPLIT], "trainer.stale_share", 0.5),
+    (["+async_training.staleness_threshold=0.5", *SPLIT], "trainer.max_staleness", 1),
+    (["+async_training.staleness_threshold=0", *SPLIT], "trainer.mode", "sync"),
+    (["+async_training.staleness_threshold=2", *SPLIT], "trainer.max_staleness", 2),
+    (["+async_training.staleness_threshold=2", *SPLIT], "trainer.stale_share", None),
+    (["+async_training.trigger_parameter_sync_step=4", "+async_training.require_batches=2",
+      "actor_rollout_ref.actor.ppo_mini_batch_size=3", *SPLIT], "data.train_batch_size", 24),
+    (["+async_training.trigger_parameter_sync_step=4", "+async_training.require_batches=2",
+      "actor_rollout_ref.actor.ppo_mini_batch_size=3", *SPLIT], "actor.ppo_mini_batch_size", 6),
+    (["+async_training.trigger_parameter_sync_step=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+      "+rollout.total_rollout_steps=100", *SPLIT], "trainer.total_training_steps", 12),
+    (["+async_training.use_rollout_log_probs=True", *SPLIT], "actor.old_logprobs", "rollout"),
+    (["+async_training.compute_prox_log_prob=True", *SPLIT], "actor.old_logprobs", "auto"),
+    (["+async_training.compute_prox_log_prob=True", *SPLIT], "actor.rollout_correction.is_level", "token"),
+    (["trainer.test_freq=3", "+rollout.test_freq=5", *SPLIT], "trainer.test_freq", 5),
+    (["+async_training.checkpoint_engine.device_buffer_size_M=512", *SPLIT], "rollout.sync.bucket_mb", 512),
     (["+trainer.v1.sampler.max_off_policy_strategy=wait", "+trainer.v1.trainer_mode=separate_async", *SPLIT],
      "trainer.stale_strategy", "wait"),
     (["algorithm.rollout_correction.rollout_is=geometric"], "actor.rollout_correction.is_level", "geometric"),
@@ -270,10 +288,11 @@ REFUSED = [
     (["+trainer.v1.sampler.max_off_policy_threshold=1.5"], "whole number"),
     (["+trainer.v1.sampler.max_off_policy_strategy=keep"], "drop or wait"),
     (["+trainer.v1.separate_async.parameter_sync_step=2"], "pushed after every update"),
-    (["+async_training.trigger_parameter_sync_step=4"], "pushed after every update"),
-    (["+async_training.staleness_threshold=0.5"], "trainer.max_staleness"),
-    (["+rollout.nnodes=1"], "rollout.num_devices"),
-    (["+rollout.total_rollout_steps=1000"], "trainer.mode=async"),
+    (["+async_training.partial_rollout=False", "+async_training.staleness_threshold=0.5"], "partial_rollout=True"),
+    (["+async_training.staleness_threshold=-1"], "share >= 0"),
+    (["+async_training.require_batches=0"], "whole number >= 1"),
+    (["+async_training.max_stale_tokens=3"], "config/verl_fully_async.py"),
+    (["+rollout.nnodes=1", "+rollout.n_gpus_per_node=4", "trainer.nnodes=2"], "same devices per node"),
     (["algorithm.filter_groups.max_inflight_gen_batches=2"], "trainer.max_staleness"),
 ]
 
@@ -283,6 +302,18 @@ def test_refused_says_what_to_do_instead(overrides, instead):
     with pytest.raises(ConfigError) as err:
         _cfg(*overrides)
     assert err.value.key == overrides[0].lstrip("+").split("=")[0] and instead in str(err.value), str(err.value)
+
+
+def test_fully_async_pools_are_one_device_count_here():
+    """verl's trainer and rollouter pools -> our nodes x devices, the engines' share named."""
+    def ours(*overrides):
+        return {x for o in resolve(list(overrides)) for x in o.ours}
+    # pools on nodes of their own (the 30B recipe: 2 + 2 nodes of 8)
+    assert {"trainer.nnodes=4", "trainer.n_gpus_per_node=8", "rollout.num_devices=16"} <= ours(
+        "trainer.nnodes=2", "trainer.n_gpus_per_node=8", "+rollout.nnodes=2", "+rollout.n_gpus_per_node=8")
+    # each node split between the pools (verl's 4_12 recipe: 6 + 2 on each of 2 nodes)
+    assert {"trainer.nnodes=2", "trainer.n_gpus_per_node=8", "rollout.num_devices=4"} <= ours(
+        "trainer.nnodes=2", "trainer.n_gpus_per_node=6", "+rollout.nnodes=2", "+rollout.n_gpus_per_node=2")
 
 
 def test_every_table_entry_targets_a_real_key_or_is_verl_only():

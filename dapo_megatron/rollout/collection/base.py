@@ -75,6 +75,9 @@ class Collection(Protocol):
     def in_flight(self) -> list[PromptItem]:
         """Prompts generated past the last batch and not trained yet (a checkpoint returns them)."""
 
+    def pushed(self, version: int) -> None:
+        """The driver pushed policy `version` into the engines (groups started from now on hold it)."""
+
 
 def tokens_of(groups: Sequence[Group | StoredGroup]) -> int:
     rollouts = [g.payload.rollout if isinstance(g, Group) else g for g in groups]

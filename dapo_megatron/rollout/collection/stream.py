@@ -33,6 +33,9 @@ class EarlyStop:
     def in_flight(self) -> list[PromptItem]:
         return []
 
+    def pushed(self, version: int) -> None:
+        """The engines hold policy `version` now (the driver's push): only carrying reads it."""
+
     def stream(self, sampling: Sampling, tokens: Tokens) -> "Stream":
         s = self.source
         return Stream(s.engines, sampling, self.max_concurrent_per_engine, tokens, s.health)
@@ -48,10 +51,19 @@ class EarlyStop:
                 s.sampler.start_round()
             # No more in flight than the batch still needs at the keep rate seen so far: the rest
             # would mostly be aborted (waste) when the batch fills.
-            run.submit_ready(s.sampler.groups_to_fill(batches_after))
+            held = self.submit(run, s.sampler.groups_to_fill(batches_after))
             if not run.in_flight:
+                if held:  # prompts wait for the next push (carrying's stale share)
+                    time.sleep(self.poll_s)
+                    continue
                 break  # round budget spent and everything came back: train on what was kept
             self.score(run, run.poll(timeout=self.poll_s), oldest_version)
+
+    def submit(self, run: "Stream", limit: float) -> bool:
+        """Submit what `limit` allows; True when prompts were held back for a reason other than
+        capacity (none here)."""
+        run.submit_ready(limit)
+        return False
 
     def score(self, run: "Stream", finished: list, oldest_version: int | None) -> None:
         """Finished groups into the sampler, those older than `oldest_version` dropped first."""
@@ -206,12 +218,13 @@ class Stream:
                 keep.append((item, group))
         return keep, stale
 
-    def abort_all(self) -> tuple[list[PromptItem], int]:
-        """Abort what is in flight, wait for the aborted groups; returns their prompts and tokens."""
-        self._answers({e: self.engines[e].abort.remote(rids) for e, rids in self._by_engine().items()})
+    def abort_all(self, rids: set[str] | None = None) -> tuple[list[PromptItem], int]:
+        """Abort what is in flight (`rids`: these groups only), wait for the aborted groups; returns
+        their prompts and tokens."""
+        self._answers({e: self.engines[e].abort.remote(ids) for e, ids in self._by_engine(rids).items()})
         returned, tokens = [], 0
-        while self.in_flight:
-            for item, group in self.poll(timeout=0.5):
+        while self.in_flight.keys() & (self.in_flight.keys() if rids is None else rids):
+            for item, group in self.poll(timeout=0.5, only=rids):
                 returned.append(item)
                 tokens += tokens_of([group])
                 # one that finished before its abort arrived was stored: nobody trains on it
