@@ -1,4 +1,4 @@
-"""Policy losses as a table (DAPO, GSPO, GSPO-token, CISPO), rollout correction, loss aggregation.
+"""Policy losses as a table (DAPO, GSPO, GSPO-token, CISPO, REINFORCE), rollout correction, loss aggregation.
 
 Shapes: B sequences (responses) by T response tokens. `loss_mask` is 0/1 (bool or numeric); masked
 positions may hold garbage (padding, -inf) and never reach the loss or its gradient.
@@ -116,6 +116,14 @@ def _cispo(log_ratio, logprobs, advantages, mask, low, high, clip_c):
     return -advantages * weight * lp, metrics
 
 
+def _reinforce(log_ratio, logprobs, advantages, mask, low, high, clip_c):
+    """REINFORCE: -A * log pi, no ratio and no clip (verl's bypass-mode loss_type=reinforce). Its
+    importance weight pi / pi_rollout is the row's correction, taken against the current policy."""
+    lp = torch.where(mask, logprobs, torch.zeros_like(logprobs))
+    zero = torch.zeros((), device=logprobs.device)
+    return -advantages * lp, {"pg_clipfrac": zero, "pg_clipfrac_lower": zero, "pg_clipfrac_dual": zero}
+
+
 def _clipped(ratio, advantages, mask, low, high):
     """max(-A r, -A clamp(r, 1 - low, 1 + high)) and which clip was active."""
     unclipped = -advantages * ratio  # [B, T]
@@ -131,6 +139,9 @@ def _clipped(ratio, advantages, mask, low, high):
 class PolicyLoss:
     per_token: Callable  # (log_ratio, logprobs, advantages, mask, low, high, clip_c) -> ([B, T] losses, metrics)
     agg: Optional[str]  # the actor.loss_agg_mode the objective is defined with (None: any)
+    # The rollout correction's rho is pi / pi_rollout with pi the policy being trained (detached),
+    # not pi_old: a loss with no ratio of its own takes the importance weight there.
+    weighs_current: bool = False
 
 
 # actor.policy_loss -> its row. The clip ratios are actor.clip_ratio_low / _high in every row
@@ -140,6 +151,7 @@ POLICY_LOSSES: dict[str, PolicyLoss] = {
     "gspo": PolicyLoss(_gspo, "seq-mean-token-mean"),
     "gspo_token": PolicyLoss(_gspo_token, None),
     "cispo": PolicyLoss(_cispo, None),
+    "reinforce": PolicyLoss(_reinforce, None, weighs_current=True),
 }
 
 
@@ -153,8 +165,8 @@ def compute_policy_loss(old_logprobs: torch.Tensor, logprobs: torch.Tensor, adva
     """The policy loss `policy_loss` (POLICY_LOSSES). Inputs [B, T]; advantages [B, T] or [B].
 
     With `correction` (algo/correction.py) each token's loss is multiplied by its rollout
-    correction factor: an importance weight exp(old - rollout) (truncated or banded), 0 where
-    masked or rejected.
+    correction factor: an importance weight exp(old - rollout) (truncated or banded; REINFORCE:
+    exp(logprobs - rollout), detached), 0 where masked or rejected.
 
     Metrics (detached 0-d tensors; fractions are masked means over this batch's tokens):
       pg_loss            the returned loss (this micro-batch's share under global counts)
@@ -182,7 +194,8 @@ def compute_policy_loss(old_logprobs: torch.Tensor, logprobs: torch.Tensor, adva
     pg_losses, metrics = row.per_token(log_ratio, logprobs, advantages, mask, clip_ratio_low, clip_ratio_high,
                                        clip_ratio_c)
     if correction is not None and correction.active:
-        factor, extra = rollout_correction(old_logprobs, rollout_logprobs, mask, correction)
+        anchor = logprobs.detach() if row.weighs_current else old_logprobs
+        factor, extra = rollout_correction(anchor, rollout_logprobs, mask, correction)
         pg_losses = pg_losses * factor
         metrics.update(extra)
     loss = agg_loss(pg_losses, loss_mask, loss_agg_mode,

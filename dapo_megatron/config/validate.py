@@ -183,10 +183,11 @@ def _correction_level(cfg: DapoConfig) -> Optional[str]:
 
 
 def _check_bypass(a) -> None:
-    """actor.old_logprobs=rollout (verl's bypass mode): no correction on top, no pass to record routes in."""
+    """actor.old_logprobs=rollout (verl's bypass mode): no correction on top of a ratio to pi_rollout
+    (REINFORCE has none: its weight is the correction), no pass to record routes in."""
     c, k = a.rollout_correction, "actor.rollout_correction."
     for name in ("is_level", "rs", "veto_threshold"):
-        _require(getattr(c, name) is None, k + name,
+        _require(getattr(c, name) is None or POLICY_LOSSES[a.policy_loss].weighs_current, k + name,
                  f"actor.old_logprobs=rollout makes the engine's log-probs pi_old: the ratio pi / pi_rollout is "
                  f"already the correction (verl's bypass mode applies no weights with ppo_clip); unset {k}{name}")
     _require(a.router_replay != "actor", "actor.router_replay",

@@ -193,6 +193,14 @@ def _rollout_rs(value: str) -> list[str]:
     return [f"{_RC}rs={rs}"]
 
 
+def _loss_type(value: str) -> list[str]:
+    kind = _bare(value).lower()
+    if kind not in ("ppo_clip", "reinforce"):
+        raise ValueError(f"rollout_correction.loss_type={_bare(value)} is not ppo_clip or reinforce "
+                         "(actor.policy_loss=dapo | reinforce)")
+    return ["actor.policy_loss=reinforce"] if kind == "reinforce" else []
+
+
 def _loss_mode(value: str) -> list[str]:
     mode = _bare(value).lower()
     if mode not in _LOSS_MODES:
@@ -285,6 +293,10 @@ VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     "algorithm.rollout_correction.rollout_is": _rollout_is,
     # bypass mode: pi_old is the rollout's log-probs (two policies, no old-log-prob pass)
     "algorithm.rollout_correction.bypass_mode": lambda v: ["actor.old_logprobs=rollout"] if _is_true(v) else [],
+    # bypass mode's two losses (read in bypass mode only: `_cross_key`): the clipped ratio
+    # pi / pi_rollout, or REINFORCE weighted by it. use_policy_gradient: verl 0.9.1's switch for it
+    "algorithm.rollout_correction.loss_type": _loss_type,
+    "algorithm.rollout_correction.use_policy_gradient": lambda v: _loss_type("reinforce" if _is_true(v) else "ppo_clip"),
     "algorithm.rollout_correction.rollout_rs": _rollout_rs,
     "algorithm.rollout_correction.rollout_rs_threshold": lambda v: _threshold(f"{_RC}rs_threshold", v),
     "algorithm.rollout_correction.rollout_rs_threshold_lower": lambda v: [f"{_RC}rs_threshold_lower={float(_bare(v))}"],
@@ -299,7 +311,9 @@ VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     "trainer.v1.separate_async.parameter_sync_step": _sync_every("trainer.v1.separate_async.parameter_sync_step"),
 }
 # Rules whose outcome must win over a key they override (Hydra keeps the last value).
-LATE = (_RO + "val_kwargs.do_sample", "data.filter_overlong_prompts", "rollout.test_freq")
+LATE = (_RO + "val_kwargs.do_sample", "data.filter_overlong_prompts", "rollout.test_freq",
+        # over policy_loss.loss_mode=bypass_mode's ppo_clip form
+        "algorithm.rollout_correction.loss_type", "algorithm.rollout_correction.use_policy_gradient")
 # Why a strategy value is accepted: the layout it trains with is ours.
 STRATEGY_NOTE = ("dapo-megatron trains with the Megatron actor whatever the strategy; its layout is actor.parallel "
                  "(tp/pp/ep, default 1: data parallel over all devices, like FSDP)")
@@ -320,8 +334,6 @@ FIXED_VALUES: dict[str, tuple[str, str]] = {
                                             "algorithm.kl_ctrl.kl_coef=0"),
     "algorithm.filter_groups.fill_to_train_bsz": ("true", "dynamic sampling always fills data.train_batch_size "
                                                           "(within algorithm.filter_groups.max_num_gen_batches)"),
-    "algorithm.rollout_correction.loss_type": ("ppo_clip", "bypass mode trains the clipped objective on "
-                                                           "pi / pi_rollout; its REINFORCE form is not built"),
     "algorithm.rollout_correction.rollout_is_batch_normalize": ("false", "IS weights are truncated or banded, "
                                                                          "not normalised to a batch mean of 1 "
                                                                          "(actor.rollout_correction)"),
@@ -513,8 +525,9 @@ def _added_key(item: str, outcome: Outcome) -> Outcome:
     return outcome
 
 
+_BYPASS_LOSS = ("algorithm.rollout_correction.loss_type", "algorithm.rollout_correction.use_policy_gradient")
 _CROSS_KEYS = ("custom_reward_function.path", "custom_reward_function.name", "algorithm.use_kl_in_reward",
-               "algorithm.rollout_correction.rollout_is_threshold", _A + "megatron.optimizer_offload")
+               "algorithm.rollout_correction.rollout_is_threshold", _A + "megatron.optimizer_offload", *_BYPASS_LOSS)
 
 
 def _cross_key(key: str, value: str, values: dict[str, str]) -> Outcome:
@@ -539,6 +552,13 @@ def _cross_key(key: str, value: str, values: dict[str, str]) -> Outcome:
         band = "_" in v  # "lower_upper": IcePop's band, tokens outside it masked
         return Outcome(key, value, "translated",
                        tuple(_threshold(f"{_RC}is_threshold", v)) + ((f"{_RC}is_mode=mask",) if band else ()))
+    if key in _BYPASS_LOSS:
+        bypass = _is_true(values.get("algorithm.rollout_correction.bypass_mode", "false")) or \
+            _bare(values.get(_A + "policy_loss.loss_mode", "")).lower() == "bypass_mode"
+        if not bypass:
+            return Outcome(key, value, "ignored", warn=True, reason="read in bypass mode only (in verl too): "
+                           "algorithm.rollout_correction.bypass_mode=true")
+        return _resolve_one(key, value)
     if key == _A + "megatron.optimizer_offload":
         if _is_true(v) and _is_true(values.get(_OOC + "optimizer_cpu_offload", "false")):
             return Outcome(key, value, "translated", ("actor.offload.optimizer=false",),

@@ -1,4 +1,4 @@
-"""Policy losses (DAPO, GSPO, GSPO-token, CISPO) and rollout correction against oracles.
+"""Policy losses (DAPO, GSPO, GSPO-token, CISPO, REINFORCE) and rollout correction against oracles.
 
 The oracles below are written from the papers' formulas, one sequence and one token at a time,
 and import nothing from dapo_megatron.algo. Ours runs as the trainer runs it: the mini-batch split
@@ -79,6 +79,8 @@ def oracle_loss(mode, old, lp, adv, mask, agg, weights=None):
         elif mode == "gspo_token":  # s_i,t = sg[s_i] * pi_t / sg[pi_t]
             s = torch.exp(sum(lp[i, t] - old[i, t] for t in idx).detach() / len(idx))
             losses = [_clip_obj(s * torch.exp(lp[i, t] - lp[i, t].detach()), a) for t in idx]
+        elif mode == "reinforce":  # -A log pi_t (verl's compute_policy_loss_reinforce, its weight w below)
+            losses = [-a * lp[i, t] for t in idx]
         elif mode == "cispo":  # -sg[clip(r_t)] A log pi_t
             losses = [-torch.clamp(torch.exp(lp[i, t] - old[i, t]), 1 - LOW, 1 + HIGH).detach() * a * lp[i, t]
                       for t in idx]
@@ -213,3 +215,24 @@ def test_rollout_correction_equals_the_oracle(c):
     assert 0 < dropped < int(mask.sum()) or not (c.get("rs") or c.get("is_mode") == "mask"), dropped
     key = "rejected_frac" if c.get("rs") else "is_masked_frac" if c.get("is_mode") == "mask" else "is_weight_mean"
     assert all(key in m for m in metrics)
+
+
+# verl's bypass mode with loss_type=reinforce (core_algos.compute_policy_loss_bypass_mode): the IS
+# weights come from compute_rollout_correction_and_rejection_mask(old_log_prob=log_prob, ...), i.e.
+# the current policy against the rollout's, under no_grad; then L = agg(-A * log pi * w).
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("c", [None, dict(is_level="token", is_threshold=1.1), dict(is_level="sequence", is_threshold=1.3),
+                               dict(is_level="token", is_threshold=2.0, rs="seq_mean_k1", rs_threshold=1.05)],
+                         ids=lambda c: "plain" if c is None else "+".join(f"{k}={v}" for k, v in c.items()))
+def test_reinforce_weighs_the_current_policy_against_the_rollouts(agg, c):
+    old, lp, adv, mask, rollout = _case(6, spread=0.5)
+    old = rollout  # bypass mode: pi_old is pi_rollout
+    weights = None if c is None else oracle_weights(lp.detach(), rollout, mask, c)
+    want = oracle_loss("reinforce", old, lp, adv, mask, agg, weights)
+    got, metrics = ours("reinforce", old, lp, adv, mask, agg, rollout, None if c is None else Correction(**c))
+    assert abs(float(got.detach()) - float(want.detach())) <= TOL
+    assert (_grad(got, lp) - _grad(want, lp)).abs().max() <= TOL
+    if c is not None:  # the weights bind: some truncated (or rejected), so not the plain loss's gradient
+        plain, _ = ours("reinforce", old, lp, adv, mask, agg)
+        assert (_grad(got, lp) - _grad(plain, lp)).abs().max() > 1e-3
+        assert all(float(m["pg_clipfrac"]) == 0.0 for m in metrics)  # no clip of its own

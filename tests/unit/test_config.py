@@ -234,7 +234,7 @@ RULES = [
     (["actor.policy_loss=ppo2"], "actor.policy_loss"),
     (["actor.old_logprobs=skip"], "actor.old_logprobs"),
     # bypass mode: pi_old is the engine's, so no correction on top and no pass to record routes in
-    (["actor.old_logprobs=rollout", "actor.rollout_correction.is_level=token"], "actor.rollout_correction.is_level"),
+    (["actor.old_logprobs=rollout", "actor.rollout_correction.is_level=token"], "actor.rollout_correction.is_level"),  # (REINFORCE's weight is the correction: allowed there)
     (["actor.old_logprobs=rollout", "actor.rollout_correction.veto_threshold=1e-4"],
      "actor.rollout_correction.veto_threshold"),
     (["actor.old_logprobs=rollout", "actor.router_replay=actor"], "actor.router_replay"),

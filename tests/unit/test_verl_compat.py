@@ -134,6 +134,16 @@ TRANSLATED = [
     (["algorithm.rollout_correction.bypass_mode=True"], "actor.old_logprobs", "rollout"),
     (["algorithm.rollout_correction.bypass_mode=False"], "actor.old_logprobs", "auto"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"], "actor.old_logprobs", "rollout"),
+    # bypass mode's REINFORCE form, its weight the correction's level (verl reads loss_type in bypass mode only)
+    (["algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=reinforce",
+      "algorithm.rollout_correction.rollout_is=token"], "actor.policy_loss", "reinforce"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode", "algorithm.rollout_correction.loss_type=reinforce"],
+     "actor.policy_loss", "reinforce"),
+    (["algorithm.rollout_correction.bypass_mode=True", "+algorithm.rollout_correction.use_policy_gradient=True"],
+     "actor.policy_loss", "reinforce"),
+    (["algorithm.rollout_correction.loss_type=reinforce"], "actor.policy_loss", "dapo"),
+    (["algorithm.rollout_correction.bypass_mode=True", "algorithm.rollout_correction.loss_type=ppo_clip"],
+     "actor.policy_loss", "dapo"),
     # the off-policy modes weigh tokens by default (is_level=auto): verl's threshold bounds those weights,
     # and its null said aloud turns them off
     (["+trainer.v1.trainer_mode=separate_async", *SPLIT], "actor.rollout_correction.is_level", "token"),
@@ -150,7 +160,7 @@ def test_translated(overrides, key, value):
     assert _get(_cfg(*overrides), key) == value
 
 
-ACCEPTED = ["algorithm.rollout_correction.loss_type=ppo_clip",
+ACCEPTED = [
             "algorithm.use_kl_in_reward=False", "reward_model.reward_manager=dapo", "algorithm.adv_estimator=grpo",
             "actor_rollout_ref.actor.strategy=megatron", "actor_rollout_ref.model.override_config.attention_dropout=0.",
             "actor_rollout_ref.actor.megatron.override_transformer_config.recompute_num_layers=1",
@@ -276,7 +286,8 @@ REFUSED = [
     (["algorithm.rollout_correction.rollout_rs=seq_max_k1"], "actor.rollout_correction.rs"),
     (["algorithm.rollout_correction.rollout_is_batch_normalize=True"], "actor.rollout_correction"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov"], "actor.policy_loss"),
-    (["algorithm.rollout_correction.loss_type=reinforce"], "REINFORCE form is not built"),
+    (["algorithm.rollout_correction.loss_type=gpg", "algorithm.rollout_correction.bypass_mode=True"],
+     "ppo_clip or reinforce"),
     (["actor_rollout_ref.model.lora_rank=8"], "LoRA"),
     (["+reward_model.reward_kwargs.format_score=0.1"], "no dapo-megatron equivalent"),
     (["actor_rollout_ref.actor.megatron.dtype=int8"], "bfloat16"),
