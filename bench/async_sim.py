@@ -517,10 +517,15 @@ def _mean(runs: list[dict], key: str) -> float:
     return statistics.mean(r.get(key, 0.0) for r in runs)
 
 
+def _step_errors(rows: list[list]) -> list[int]:
+    """The calibration table's step errors in %: its simulated rows' "1.20 (-14%)" cells."""
+    return [int(r[2].split("(")[1].rstrip("%)")) for r in rows if r[1] == "simulated" and "(" in r[2]]
+
+
 def calibration_note(a: float, b: float, p_tok: float, fit_err: float, score_s: float, contention: float,
                      rows: list[list]) -> str:
     """The calibration table's note: the fitted inputs and how far each simulated step is off."""
-    errs = [int(r[2].split("(")[1].rstrip("%)")) for r in rows if r[1] == "simulated" and "(" in r[2]]
+    errs = _step_errors(rows)
     return (f"Inputs: the quickstart's vLLM-CPU engine measured on this machine (a decode step of c responses "
             f"a + b c with a = {a * 1e3:.1f} ms, b = {b * 1e3:.3f} ms per response, prefill {p_tok * 1e3:.2f} ms a "
             f"prompt token, {fit_err * 100:.0f}% largest fit error), its sampled lengths, keep rate and the trainer's "
@@ -664,7 +669,7 @@ def summarize(tables: list[dict]) -> str:
     parts = ["SIMULATED"]
     for t in tables:
         if t["id"] == "calibration":  # the step column's errors, "1.20 (-14%)"
-            errs = [int(r[2].split("(")[1].rstrip("%)")) for r in t["rows"] if r[1] == "simulated" and "(" in r[2]]
+            errs = _step_errors(t["rows"])
             parts.append(f"calibration steps within {min(errs):+d}% to {max(errs):+d}% of the measured quickstart")
         elif t["id"] == "large":
             ratios = {r[0]: r[2] for r in t["rows"]}

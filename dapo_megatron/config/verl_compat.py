@@ -575,9 +575,7 @@ def _cross_key(key: str, value: str, values: dict[str, str]) -> Outcome:
 def ordered_overrides(outcomes: list[Outcome]) -> list[str]:
     """Our overrides from the outcomes, refused ones left out, the LATE rules last (Hydra keeps the
     last value)."""
-    out = [x for o in sorted(outcomes, key=lambda o: o.key in LATE) if o.action != "refused" for x in o.ours]
-    # keys read together (verl's fully asynchronous ones) repeat an override: its last place kept
-    return list(reversed(dict.fromkeys(reversed(out))))
+    return [x for o in sorted(outcomes, key=lambda o: o.key in LATE) if o.action != "refused" for x in o.ours]
 
 
 def translate_overrides(overrides: list[str]) -> list[str]:

@@ -118,20 +118,23 @@ class Plan:
         # verl: total_train_steps = int(total_rollout_steps / (require x mini x trigger))
         return [f"trainer.total_training_steps={max(self._int('rollout.total_rollout_steps') // self.batch(), 1)}"]
 
-    def _anchor(self) -> str:
-        """The key the mode's overrides are shown under: the threshold when the script gives it."""
-        for key in ("async_training.staleness_threshold", "async_training.partial_rollout"):
-            if key in self.values:
-                return key
-        return next(k for k in self.values if k.startswith("async_training.") or k in _MARKERS)
+    def _first(self, keys) -> str | None:
+        """The first of `keys` the script gives: the one a setting they make together is shown under."""
+        return next((k for k in self.values if k in keys), None)
 
     def outcome(self, key: str) -> tuple[str, tuple[str, ...], str]:
-        """(action, our overrides, reason) of one key; raises ValueError to refuse it."""
-        rule = _RULES.get(key)
-        if rule is None and key.startswith(_CKPT_ENGINE):
-            rule = _RULES[_CKPT_ENGINE]
-        action, overrides, reason = rule(self) if rule else ("", [], "")
-        if key == self._anchor() and key != "async_training.staleness_threshold":
+        """(action, our overrides, reason) of one key; raises ValueError to refuse it. Keys that make
+        one setting together (a group) show it under the first of them the script gives."""
+        group = next((g for g in _GROUPS if key in g), (key,))
+        first = self._first(group)
+        rule = _RULES.get(key) or _RULES[_CKPT_ENGINE]
+        action, overrides, reason = rule(self)
+        if key != first:
+            overrides, reason = [], f"{reason}; set with {first}"
+        # the mode has a default (verl's threshold): shown under a key of the script's when it gives none
+        mode_key = next((k for k in ("async_training.staleness_threshold", "async_training.partial_rollout")
+                         if k in self.values), next(k for k in self.values if is_fully_async([k])))
+        if key == mode_key and key != "async_training.staleness_threshold":
             overrides = [*self._mode(), *overrides]
             reason = f"{reason}; with async_training.staleness_threshold={self._get('async_training.staleness_threshold')} (verl's default)"
             action = "translated"
@@ -156,6 +159,7 @@ def _translated(fn: Callable[[Plan], list[str]], why: str = "") -> Callable[[Pla
     return lambda plan: ("translated", fn(plan), why)
 
 
+_GROUPS = (_BATCH, _RESOURCES, _LOGPROBS)
 _PERIOD = ("one step here is a push period: trigger_parameter_sync_step mini-batches of require_batches x "
            "ppo_mini_batch_size prompts, one optimizer step each, the push after the last")
 _RULES: dict[str, Callable[[Plan], tuple[str, list[str], str]]] = {

@@ -81,8 +81,9 @@ class RolloutManager:
                        if rollout.max_engine_restarts or rollout.engine_timeout_s else None)
         # async partial rollouts: the strategy keeps the groups in flight when the last batch
         # filled for the next collection; a checkpoint returns their prompts to the stream (`_state`)
-        self.collection = collection.build(cfg, Source(self.engines, train_data, self.prompts, self.sampler, scorer,
-                                                       cfg.data.gen_batch_size, self.health))
+        self.source = Source(self.engines, train_data, self.prompts, self.sampler, scorer, cfg.data.gen_batch_size,
+                             self.health)
+        self.collection = collection.build(cfg, self.source)
         # step -> the state before its batch was collected: a checkpoint taken while that batch
         # waits untrained (trainer.mode=one_step_off / async) saves this one, so its prompts come back.
         self.before: dict[int, dict] = {}
@@ -208,7 +209,7 @@ class RolloutManager:
     def pushed(self, version: int) -> None:
         """The driver pushed policy `version` into the engines: a collection bounding its stale
         share (trainer.stale_share) starts fresh groups from now on."""
-        self.collection.pushed(version)
+        self.source.version = version
 
     @ray.method(concurrency_group="control")
     def state_dict(self, before: Optional[int] = None) -> dict:

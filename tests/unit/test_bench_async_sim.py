@@ -123,16 +123,22 @@ def test_the_stale_share_is_bounded_with_a_slow_trainer(in_process_ray):
     before the push its batch trains after. The trainer takes 3 s (virtual) a step, the engine ~0.1 s a
     group, so without the bound the whole next batch would be generated stale meanwhile (async at
     max_staleness 1); with it the manager starts one, holds the other prompts for the push (the
-    driver's `pushed`), and aborts the carried groups past the quota when a collection starts."""
+    driver's `pushed`), and aborts the carried groups past the quota when a collection starts (a
+    share of 0: every one)."""
     sim = _load("async_sim")
     mode = [*sim.MODES["async k=1"], "trainer.stale_share=0.25"]
     # virtual time 10x the wall clock: an update of 0.3 s against generation of a few ms, even on a busy machine
-    bounded, free = (sim.simulate(_tiny(sim, update_s=3.0), m, 6, 10.0, 1) for m in (mode, sim.MODES["async k=1"]))
+    bounded, free, none = (sim.simulate(_tiny(sim, update_s=3.0), m, 6, 10.0, 1)
+                           for m in (mode, sim.MODES["async k=1"], [*sim.MODES["async k=1"], "trainer.stale_share=0"]))
+
     shares = [r["rollout/stale_share"] for r in bounded]
     assert max(shares) <= 0.25 and shares[0] == 0.0, shares  # the driver would stop past it
     assert sum(r["timing/stale_hold"] for r in bounded) > 0  # prompts waited for a push
     assert max(r["rollout/stale_share"] for r in free) > 0.25  # the bound is what held it
     assert bounded[-1]["rollout/stale_responses_total"] == sum(round(s * 16) for s in shares)
+    # a share of 0 (verl's on-policy streaming): the groups a full batch leaves running are all stale
+    # for the next one, so its collection aborts them (their prompts back in the stream)
+    assert all(r["rollout/stale_share"] == 0.0 for r in none) and sum(r["sampling/stale_aborted_groups"] for r in none) > 0
 
 
 def test_the_calibration_table_has_one_measured_and_one_simulated_row_a_mode(monkeypatch):

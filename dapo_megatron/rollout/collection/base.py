@@ -64,6 +64,9 @@ class Source:
     score: ScoreFn
     gen_batch_size: int
     health: EngineHealth | None = None
+    # the policy version the engines hold, as the driver last said (manager.pushed, its control
+    # thread; a collecting thread reads it): carrying's stale share waits on it
+    version: int = 0
 
 
 class Collection(Protocol):
@@ -74,9 +77,6 @@ class Collection(Protocol):
 
     def in_flight(self) -> list[PromptItem]:
         """Prompts generated past the last batch and not trained yet (a checkpoint returns them)."""
-
-    def pushed(self, version: int) -> None:
-        """The driver pushed policy `version` into the engines (groups started from now on hold it)."""
 
 
 def tokens_of(groups: Sequence[Group | StoredGroup]) -> int:

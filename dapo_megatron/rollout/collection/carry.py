@@ -52,13 +52,10 @@ class Carrying(EarlyStop):
         super().__init__(source, max_concurrent_per_engine, poll_s)
         self.staleness = staleness
         self.carried: Stream | None = None  # None while a collection runs: it owns them
-        self.version = 0  # the policy version the engines hold, as the driver last said (`pushed`)
+        self.quota = staleness.quota(source.sampler.train_batch_size)  # stale groups a batch may hold
         # the share bound, in the collection under way: the version a group must start under to be
-        # fresh, the stale groups it may keep, those in flight, the seconds prompts waited for a push
-        self.fresh, self.quota, self.stale, self.held_s, self.hold_since = 0, None, set(), 0.0, None
-
-    def pushed(self, version: int) -> None:
-        self.version = version  # (the manager's control thread; the collecting one reads it)
+        # fresh, the stale groups in flight, the seconds prompts waited for a push
+        self.fresh, self.stale, self.held_s, self.hold_since = 0, set(), 0.0, None
 
     def collect(self, step: int, sampling: Sampling, store: Store) -> Collected:
         tokens, stale = Tokens(store), self.staleness
@@ -93,13 +90,12 @@ class Carrying(EarlyStop):
         """The share bound's state for this collection: every carried group started before the push
         this batch trains after (step - 1); those past the quota are aborted, their prompts back in
         the stream (a checkpoint would return them too). Returns how many were aborted."""
-        self.fresh, self.quota = step - 1, self.staleness.quota(self.source.sampler.train_batch_size)
-        self.held_s, self.hold_since = 0.0, None
+        self.fresh, self.held_s, self.hold_since = step - 1, 0.0, None
         self.stale = set(run.in_flight)
         if self.quota is None or len(self.stale) <= self.quota:
             return 0
-        # the last submitted (the fewest tokens generated) go back first
-        excess = set(sorted(self.stale, key=lambda rid: int(rid[1:].split("-")[0]))[self.quota:])
+        # the last submitted (the fewest tokens generated) go back first: in_flight is in submission order
+        excess = set(list(run.in_flight)[self.quota:])
         returned, run.tokens.aborted = run.abort_all(excess)
         self.source.prompts.push_back([item.index for item in returned])
         self.stale -= excess
@@ -108,7 +104,7 @@ class Carrying(EarlyStop):
     def submit(self, run: Stream, limit: float) -> bool:
         """Prompts start stale (the engines still hold weights older than `fresh`) only while the
         stale groups kept and in flight are under the quota; the rest wait for the push."""
-        if self.quota is None or self.version >= self.fresh:
+        if self.quota is None or self.source.version >= self.fresh:
             self._hold(False)
             run.submit_ready(limit)
             return False

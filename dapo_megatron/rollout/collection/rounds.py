@@ -34,9 +34,6 @@ class Rounds:
             store.between()
         return finish(s.sampler, tokens)
 
-    def pushed(self, version: int) -> None:
-        """Rounds finish before the push: nothing reads the engines' version."""
-
     def in_flight(self) -> list[PromptItem]:
         return []
 

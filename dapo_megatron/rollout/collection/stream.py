@@ -33,9 +33,6 @@ class EarlyStop:
     def in_flight(self) -> list[PromptItem]:
         return []
 
-    def pushed(self, version: int) -> None:
-        """The engines hold policy `version` now (the driver's push): only carrying reads it."""
-
     def stream(self, sampling: Sampling, tokens: Tokens) -> "Stream":
         s = self.source
         return Stream(s.engines, sampling, self.max_concurrent_per_engine, tokens, s.health)
@@ -223,7 +220,7 @@ class Stream:
         their prompts and tokens."""
         self._answers({e: self.engines[e].abort.remote(ids) for e, ids in self._by_engine(rids).items()})
         returned, tokens = [], 0
-        while self.in_flight.keys() & (self.in_flight.keys() if rids is None else rids):
+        while self.in_flight if rids is None else self.in_flight.keys() & rids:
             for item, group in self.poll(timeout=0.5, only=rids):
                 returned.append(item)
                 tokens += tokens_of([group])
