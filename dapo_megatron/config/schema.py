@@ -262,6 +262,10 @@ class TrainerConfig:
     # weights it trains from (started before the last push): verl's staleness_threshold. The
     # rollout manager starts no stale group past the share; null: only max_staleness bounds them.
     stale_share: Optional[float] = None
+    # split placement: each mini-batch (actor.ppo_mini_batch_size prompts) trains, one optimizer
+    # step, as soon as its groups are scored, while the engines finish the step's others; the push
+    # after the last (verl's fully-async trainer). Off: the step waits for its whole batch.
+    stream_minibatches: bool = False
     total_training_steps: Optional[int] = None  # null: derived from total_epochs
     total_epochs: int = 1
     save_freq: int = -1  # -1: only at the end / on SIGTERM
@@ -293,6 +297,10 @@ class TrainerConfig:
         """async with partial rollouts: the groups in flight when a batch fills go on generating
         into the next batches, across weight pushes (the rollout manager collects beside the sync)."""
         return self.mode == "async" and self.partial_rollout
+
+    def parts(self, train_batch_size: int, ppo_mini_batch_size: int) -> int:
+        """Mini-batches a step's batch is handed over in: each as its groups are in when streamed."""
+        return train_batch_size // ppo_mini_batch_size if self.stream_minibatches else 1
 
     @property
     def batches_ahead(self) -> int:

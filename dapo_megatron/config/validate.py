@@ -174,11 +174,14 @@ def _check_algorithm(cfg: DapoConfig) -> None:
 
 def _correction_level(cfg: DapoConfig) -> Optional[str]:
     """actor.rollout_correction.is_level resolved: `auto` is token-level truncated weights whenever a
-    trained token can come from older weights than the proximal policy's (one_step_off, async), none
-    in sync mode, where the engine holds the trained weights; `none` is null."""
+    trained token can come from older weights than the proximal policy's (one_step_off, async, a
+    streamed mini-batch after the step's first optimizer step), none in sync mode, where the engine
+    holds the trained weights; `none` is null."""
     level = cfg.actor.rollout_correction.is_level
     if level == "auto":  # with actor.old_logprobs=rollout, pi_old is pi_rollout: nothing to weigh
-        return "token" if cfg.trainer.mode != "sync" and cfg.actor.old_logprobs != "rollout" else None
+        off_policy = cfg.trainer.mode != "sync" or cfg.trainer.parts(cfg.data.train_batch_size,
+                                                                     cfg.actor.ppo_mini_batch_size) > 1
+        return "token" if off_policy and cfg.actor.old_logprobs != "rollout" else None
     return None if level == "none" else level
 
 
@@ -332,6 +335,16 @@ def _check_mode(cfg: DapoConfig) -> None:
              f"trainer.stale_share={t.stale_share} bounds the share of a batch's groups started before its last "
              "push: it needs trainer.mode=async with trainer.partial_rollout=true and trainer.max_staleness=1, and "
              "a share in [0, 1) (null: no bound; more lag: trainer.max_staleness)")
+    if t.stream_minibatches:  # a mini-batch trains while the engines generate the step's others
+        _require(t.placement == "split", "trainer.stream_minibatches",
+                 "trainer.stream_minibatches trains while the engines generate: it needs trainer.placement=split "
+                 "(colocated, the engines sleep while the actor trains)")
+        _require(cfg.actor.ppo_epochs == 1, "trainer.stream_minibatches",
+                 f"trainer.stream_minibatches trains each mini-batch once, as it arrives; actor.ppo_epochs="
+                 f"{cfg.actor.ppo_epochs} would go over the whole batch again: set actor.ppo_epochs=1")
+        _require(not (t.carries_in_flight and t.stale_strategy == "wait"), "trainer.stream_minibatches",
+                 "trainer.stale_strategy=wait puts the oldest groups first once the batch is full, after "
+                 "streamed mini-batches have trained: use trainer.stale_strategy=drop")
     # async streams prompts to the engines; recipe rounds would wait for each round's tail
     _require(t.mode != "async" or cfg.algorithm.filter_groups.mode == "early_stop", "algorithm.filter_groups.mode",
              "trainer.mode=async streams prompts (early-stop dynamic sampling): set "

@@ -5,7 +5,8 @@ ppo_mini_batch_size` prompts per optimizer step and pushes weights after
 `trigger_parameter_sync_step` of them; `staleness_threshold` bounds the share of a period's
 samples started under older weights; `trainer.*` counts the trainer's devices and `rollout.*` the
 rollouter's. Here a step is that push period: data.train_batch_size = trigger x require x mini
-prompts, each mini-batch of require x mini one optimizer step, the push after the last one. The
+prompts, each mini-batch of require x mini one optimizer step as soon as its groups are in
+(trainer.stream_minibatches), the push after the last one. The
 keys read one another, so `plan` resolves them together; verl_compat.resolve asks it for each key.
 """
 from __future__ import annotations
@@ -69,8 +70,10 @@ class Plan:
 
     def _batch_overrides(self) -> list[str]:
         b = self.batch()
-        # a generation round is one batch of prompts: the early stop streams them as capacity frees
-        return [f"data.train_batch_size={b}", f"data.gen_batch_size={b}", f"actor.ppo_mini_batch_size={self.mini_batch()}"]
+        # a generation round is one batch of prompts: the early stop streams them as capacity frees;
+        # verl's trainer starts each optimizer step once its require_batches are in: streamed here
+        return [f"data.train_batch_size={b}", f"data.gen_batch_size={b}", f"actor.ppo_mini_batch_size={self.mini_batch()}",
+                "trainer.stream_minibatches=true"]
 
     def _mode(self) -> list[str]:
         """staleness_threshold: 0 is on-policy (the engines wait for each push), a share below 1

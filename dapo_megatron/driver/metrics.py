@@ -234,6 +234,29 @@ def staleness(versions: list[tuple[int, int]], syncs: int, bound: int, share: fl
             "rollout/partial_frac": sum(a != b for a, b in versions) / len(versions), "rollout/stale_share": stale}
 
 
+def join_parts(parts: list[dict], tokens: Sequence[int] = ()) -> dict:
+    """The metrics of a step's streamed parts (trainer.stream_minibatches) as one update's: means
+    over its optimizer steps (an update averages its mini-batches the same way), the data plane's
+    bytes summed, maxima by max, the last learning rate, actor/tokens_per_s over the whole time
+    (`tokens`: each part's)."""
+    if len(parts) <= 1:
+        return dict(parts[0]) if parts else {}
+    out = {}
+    for key in dict.fromkeys(k for p in parts for k in p):
+        values = [p[key] for p in parts if key in p]
+        if key.startswith("data_plane/"):
+            out[key] = sum(values)
+        elif key.endswith("_max"):
+            out[key] = max(values)
+        elif key == "actor/lr":
+            out[key] = values[-1]
+        elif key == "actor/tokens_per_s" and len(tokens) == len(values):
+            out[key] = sum(tokens) / sum(n / max(v, 1e-12) for n, v in zip(tokens, values))
+        else:
+            out[key] = sum(values) / len(values)
+    return out
+
+
 def batch_metrics(step, metrics: dict, resident_bytes: int) -> dict:
     """The kept batch's reward, length and advantage, from its metadata; the bytes the control
     plane (the rollout manager) received from the engines per scored response (`driver/*`: the

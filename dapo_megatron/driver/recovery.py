@@ -139,7 +139,7 @@ def drop_pending(run) -> None:
     """Batches generated but never trained (the run ended, stopped or restarts): their rows go;
     their prompts are back in the stream of any checkpoint saved since (`Trainer.state_dict`)."""
     while run.pending:
-        step, _ = wait_manager(run, run.pending.popleft().ref)
+        _, _, step = wait_manager(run, run.pending.popleft().last)  # the whole batch, once all its parts are
         if step is not None:
             roles.get("rollout manager", run.ctx.manager.release.remote(step.partition))
 

@@ -23,7 +23,7 @@ from dapo_megatron.algo import compute_grpo_advantages
 from dapo_megatron.config import DapoConfig
 from dapo_megatron.driver import setup
 from dapo_megatron.driver.colocate import TimeShare
-from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, batch_metrics, staleness
+from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, batch_metrics, join_parts, staleness
 from dapo_megatron.driver.moments import Moments
 from dapo_megatron.driver.recovery import replace_lost_in_sync, replaces_in_sync, wait_manager
 from dapo_megatron.driver.weight_sync import sync_weights, verify_due
@@ -33,9 +33,16 @@ MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group b
 
 @dataclass(frozen=True)
 class Request:
-    """A batch asked of the rollout manager: its future and the step it is for."""
-    ref: object
+    """A batch asked of the rollout manager: one future per part it is handed over in (one: the
+    whole batch; trainer.stream_minibatches: a mini-batch each, the last with the whole batch) and
+    the step it is for."""
+    refs: tuple
     step: int
+
+    @property
+    def last(self):
+        """The call that returns once the step's collection is done, with the whole batch."""
+        return self.refs[-1]
 
 
 @dataclass
@@ -116,33 +123,61 @@ class Trainer(Moments):
 
     def train_step(self) -> dict:
         """One DAPO step; returns its metrics (empty if dynamic sampling kept nothing). The step's
-        rows live in one data-plane partition, cleared when the update consumed them (or failed)."""
-        cfg, train = self.cfg, self.ctx.train
-        batch, rollout_metrics = self.take_batch()
+        rows live in one data-plane partition, cleared when the update consumed them (or failed).
+        Streamed (trainer.stream_minibatches), each mini-batch trains, one optimizer step, as soon
+        as its groups are in, while the engines finish the others; the push after the last."""
+        request = self.pending.popleft() if self.pending else self._request(self.step + 1)
+        updates, logprobs, tokens, partition, batch, rollout_metrics = [], [], [], None, None, {}
+        try:
+            for k, ref in enumerate(request.refs):
+                part, rollout_metrics, batch = self.take_part(request, k)
+                if part is None:
+                    continue
+                if not updates:
+                    self.share.to_training(self)  # engines sleep, the actor's state comes back
+                    first_update = time.time()
+                partition = part.partition
+                update, lp_metrics = self.train_on(part, first=not updates)
+                updates.append(update)
+                logprobs.append(lp_metrics)
+                tokens.append(sum(part.sequence_lengths))
+        finally:  # the step's rows, consumed (or failed); what the data plane still holds
+            if partition is not None:
+                resident = roles.get("rollout manager", self.ctx.manager.release.remote(partition))
+        collected_at = rollout_metrics.pop("timing/collected_at", None)
         if batch is None:
             return {}
-        try:
-            self.share.to_training(self)  # engines sleep, the actor's state comes back
-            # one advantage per response, every token's (the loss broadcasts it over T)
-            batch.advantages = compute_grpo_advantages(torch.tensor(batch.scores), torch.tensor(batch.group),
-                                                       norm_by_std=cfg.algorithm.norm_adv_by_std_in_grpo).tolist()
-            lp_metrics = {}
-            if cfg.actor.runs_old_logprob_pass(cfg.rollout.n, len(batch)):  # else the update's forward or the engine's
-                with self.timed("old_logprob"):
-                    written, lp_metrics = train.step_logprobs(batch, "actor")
-                batch.fields += tuple(written)  # old_logprobs, and the routes when the actor records them
-            if cfg.actor.use_kl_loss:
-                with self.timed("ref"):
-                    written, _ = train.step_logprobs(batch, "ref")
-                batch.fields += tuple(written)
-            with hooks.at("driver.update", step=self.step + 1, ctx=self.ctx), self.timed("update"):
-                metrics = train.step_update(batch)
-        finally:  # the step's rows, consumed (or failed); what the data plane still holds
-            resident = roles.get("rollout manager", self.ctx.manager.release.remote(batch.partition))
+        metrics = join_parts(updates, tokens)
+        if len(request.refs) > 1 and collected_at is not None:  # trained while the step's groups generated
+            metrics["timing/stream_overlap"] = max(0.0, collected_at - first_update)
         metrics.update(self.sync())
-        metrics.update(rollout_metrics, **lp_metrics)
+        metrics.update(rollout_metrics, **join_parts(logprobs))
+        self._advantages(batch)
         metrics.update(batch_metrics(batch, metrics, resident))
         return metrics
+
+    def train_on(self, batch, first: bool) -> tuple[dict, dict]:
+        """Advantages, (old / ref log-probs) and the update of one part of the step's batch: its
+        optimizer steps; `first`: the step's first part (the learning-rate schedule counts steps)."""
+        cfg, train = self.cfg, self.ctx.train
+        self._advantages(batch)
+        lp_metrics = {}
+        if cfg.actor.runs_old_logprob_pass(cfg.rollout.n, len(batch)):  # else the update's forward or the engine's
+            with self.timed("old_logprob"):
+                written, lp_metrics = train.step_logprobs(batch, "actor")
+            batch.fields += tuple(written)  # old_logprobs, and the routes when the actor records them
+        if cfg.actor.use_kl_loss:
+            with self.timed("ref"):
+                written, _ = train.step_logprobs(batch, "ref")
+            batch.fields += tuple(written)
+        with hooks.at("driver.update", step=self.step + 1, ctx=self.ctx), self.timed("update"):
+            return train.step_update(batch, first=first), lp_metrics
+
+    def _advantages(self, batch) -> None:
+        """One advantage per response (the loss broadcasts it over T), normalised within its group:
+        a mini-batch of whole groups gets the values the whole batch would."""
+        batch.advantages = compute_grpo_advantages(torch.tensor(batch.scores), torch.tensor(batch.group),
+                                                   norm_by_std=self.cfg.algorithm.norm_adv_by_std_in_grpo).tolist()
 
     def sync(self) -> dict:
         """The step's weights into the engines, once the batches in flight that must finish on
@@ -151,7 +186,7 @@ class Trainer(Moments):
         if self.pending and not self.cfg.trainer.carries_in_flight:
             with self.timed("sync_wait"):  # the batches in flight finish on the old weights (drain)
                 for request in self.pending:
-                    wait_manager(self, request.ref, get=False)
+                    wait_manager(self, request.last, get=False)
         lost = [] if replaces_in_sync(self.cfg) else None  # engines that die in the sync (the rest synced)
         with hooks.at("driver.sync", step=self.step + 1, ctx=self.ctx), self.timed("sync"), self.in_sync("step"):
             self.syncs += 1
@@ -162,25 +197,29 @@ class Trainer(Moments):
         self.share.after_sync(self)
         return metrics
 
-    def take_batch(self) -> tuple:
-        """This step's batch and its rollout metrics. sync: generated now, with the last step's
-        weights. one_step_off / async: asked trainer.batches_ahead steps ago, generated while earlier
-        steps trained; the batches of the next steps are asked before this one trains."""
-        ahead = self.cfg.trainer.batches_ahead
-        request = self.pending.popleft() if self.pending else self._request(self.step + 1)
-        with self.timed("trainer_wait" if ahead else "gen"):
-            batch, metrics = wait_manager(self, request.ref)
-        asked = self.pending[-1].step if self.pending else request.step
-        for s in range(asked + 1, min(self.step + 1 + ahead, self.ctx.total_steps) + 1):
-            self.pending.append(self._request(s))
+    def take_part(self, request: Request, k: int) -> tuple:
+        """Part `k` of the step's batch, and with the last part the rollout metrics and the whole
+        batch. sync: generated now, with the last step's weights. one_step_off / async: asked
+        trainer.batches_ahead steps ago, generated while earlier steps trained; the batches of the
+        next steps are asked once the first part is in, before it trains."""
+        ahead, streamed = self.cfg.trainer.batches_ahead, len(request.refs) > 1
+        with self.timed("trainer_wait" if ahead else "gen", [k] if streamed else ()):
+            part, metrics, batch = wait_manager(self, request.refs[k])
+        if k == 0:
+            asked = self.pending[-1].step if self.pending else request.step
+            for s in range(asked + 1, min(self.step + 1 + ahead, self.ctx.total_steps) + 1):
+                self.pending.append(self._request(s))
         if batch is not None:
             metrics.update(staleness(batch.versions, self.syncs, ahead, self.cfg.trainer.stale_share))
             self.stale_responses += round(metrics["rollout/stale_share"] * len(batch))
             metrics["rollout/stale_responses_total"] = float(self.stale_responses)
-        return batch, metrics
+        return part, metrics, batch
 
     def _request(self, step: int) -> Request:
-        return Request(self.ctx.manager.next_batch.remote(step), step)
+        """Every part of step `step`'s batch asked at once: the manager's calls run in order."""
+        t, d = self.cfg.trainer, self.cfg.data
+        parts = t.parts(d.train_batch_size, self.cfg.actor.ppo_mini_batch_size)
+        return Request(tuple(self.ctx.manager.next_batch.remote(step, k, parts) for k in range(parts)), step)
 
     def evaluate(self) -> dict:
         """The rollout manager's validation (rollout.val_kwargs): val/acc overall and per source; an

@@ -102,10 +102,11 @@ class TrainGroup:
         metrics = _join_rank_metrics([p["metrics"] for p in parts], [p["tokens"] for p in parts])
         return parts[0]["fields"], metrics
 
-    def step_update(self, step: dataplane.StepBatch) -> dict:
+    def step_update(self, step: dataplane.StepBatch, first: bool = True) -> dict:
         """The update's metrics (rank 0's, reduced over ranks) and the step's data-plane bytes
-        per rank (read + written by the log-prob passes and the update: mean and max over ranks)."""
-        results = self._all([w.step_update.remote(step) for w in self.workers])
+        per rank (read + written by the log-prob passes and the update: mean and max over ranks).
+        `first`: the step's first (streamed: a later mini-batch's update is not a new step)."""
+        results = self._all([w.step_update.remote(step, first) for w in self.workers])
         return {**{k: v for k, v in results[0].items() if not k.startswith("data_plane/")}, **_plane_metrics(results)}
 
     def push_weights(self, engines: list, bucket_mb: int, checksums: bool,

@@ -14,6 +14,7 @@ engine's prompts are generated again and the driver brings its replacement.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import dataclasses
 import math
@@ -94,32 +95,84 @@ class RolloutManager:
         self.released: list[str] = []
         self.resident = 0  # bytes the data plane held at the last release
         self.last_end: Optional[float] = None  # when the last collection ended (engine idle since)
+        # trainer.stream_minibatches: a step's collection runs on this thread while its mini-batches
+        # are handed out (`next_batch`), from the kept groups it publishes between two polls
+        self.collector = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="collect")
+        self.streams: dict[int, concurrent.futures.Future] = {}
+        self.published: dict[int, tuple[str, list]] = {}
+        self.published_cond = threading.Condition()
 
     def _sampling(self, sampling: Sampling) -> Sampling:
         return dataclasses.replace(sampling, stop_token_ids=self.stop_token_ids)
 
-    def next_batch(self, step: int) -> tuple[Optional[StepBatch], dict]:
-        """The batch of training step `step` (1-based) and its rollout metrics; (None, {}) when
-        dynamic sampling kept no group (the reward metrics then carry over to the next batch).
-        Its rows live in partition `step<step>-<n>`; the trainer clears it once it is consumed."""
+    def next_batch(self, step: int, part: int = 0, parts: int = 1) -> tuple[Optional[StepBatch], dict, Optional[StepBatch]]:
+        """Mini-batch `part` of the `parts` that training step `step`'s batch (1-based) is handed over
+        in, the rollout metrics and the whole batch (the last part's call; {} and None before it).
+        One part: the whole batch, collected in this call. More (trainer.stream_minibatches): part 0's
+        call starts the collection on the collecting thread and each call returns once its groups are
+        in (kept groups, in arrival order: the whole batch is their concatenation). No part (None)
+        when dynamic sampling kept too few groups (none: the reward metrics then carry over to the
+        next batch). The rows live in partition `step<step>-<n>`; the trainer clears it once consumed."""
+        if parts == 1:
+            groups, partition, metrics = self._collect_timed(step)
+            batch = groups_to_batch(groups, partition) if groups else None
+            return batch, metrics, batch
+        if part == 0:  # the trainer asks every part at once, in order: a new step's part 0 comes last
+            self.streams[step] = future = self.collector.submit(self._collect_timed, step, True)
+            future.add_done_callback(lambda _: self._notify())
+        future, size = self.streams[step], self.sampler.train_batch_size // parts
+        lo, hi = part * size, (part + 1) * size
+        with self.published_cond:
+            while part < parts - 1 and not future.done():
+                partition, groups = self.published.get(step, ("", []))
+                if len(groups) >= hi:
+                    return groups_to_batch(groups[lo:hi], partition), {}, None
+                self.published_cond.wait(0.05)
+        groups, partition, metrics = future.result()  # what the collection raised, raised here
+        last = part == parts - 1
+        if last:
+            self.streams.pop(step)
+            with self.published_cond:
+                self.published.pop(step, None)
+        batch = groups_to_batch(groups[lo:hi], partition) if groups[lo:hi] else None
+        return batch, metrics if last else {}, groups_to_batch(groups, partition) if last and groups else None
+
+    def _notify(self) -> None:
+        with self.published_cond:
+            self.published_cond.notify_all()
+
+    def _publisher(self, step: int, partition: str):
+        """A streamed collection's `Store.between` (its thread, between two polls): the groups kept
+        so far, for the mini-batches waiting on them."""
+        def between():
+            self._release_deferred()
+            with self.published_cond:
+                self.published[step] = (partition, list(self.sampler.buffer))
+                self.published_cond.notify_all()
+        return between
+
+    def _collect_timed(self, step: int, stream: bool = False) -> tuple[list, str, dict]:
         with self.plane_lock:
             self._release_deferred()
             t0 = time.monotonic()
             try:
-                batch, metrics = self._collect(step)
+                groups, partition, metrics = self._collect(step, stream)
             finally:
                 self.last_end, idle = time.monotonic(), t0 - (self.last_end or t0)
             if metrics:  # engines idle: between collections (the trainer's work in sync mode)
                 metrics["timing/engine_idle_frac"] = idle / max(idle + self.last_end - t0, 1e-9)
-            return batch, metrics
+                # when its last group was in (wall clock): how long the streamed update overlapped it
+                metrics["timing/collected_at"] = time.time()  # popped by the trainer
+            return groups, partition, metrics
 
-    def _collect(self, step: int) -> tuple[Optional[StepBatch], dict]:
+    def _collect(self, step: int, stream: bool = False) -> tuple[list, str, dict]:
         cfg = self.cfg
         with self.state_lock:
             self.before = {s: v for s, v in self.before.items() if s >= step - 1 - cfg.trainer.batches_ahead}
             self.before[step] = copy.deepcopy(self._state())
         self.collections += 1
-        store = Store(f"step{step}-{self.collections}", self.plane, between=self._release_deferred)
+        partition = f"step{step}-{self.collections}"
+        store = Store(partition, self.plane, between=self._publisher(step, partition) if stream else self._release_deferred)
         sampling = self._sampling(Sampling.from_config(cfg.rollout, cfg.data.max_response_length,
                                                        seed=cfg.rollout.seed + step - 1))
         try:
@@ -132,8 +185,8 @@ class RolloutManager:
             raise
         if not collected.groups:
             store.clear()
-            return None, {}
-        return groups_to_batch(collected.groups, store.partition), self._metrics(collected)
+            return [], partition, {}
+        return collected.groups, partition, self._metrics(collected)
 
     def _metrics(self, collected: Collected) -> dict:
         return {**collected.metrics, **self.scorer.pop_metrics(), "data/prompts_consumed": float(self.prompts.consumed)}
@@ -257,6 +310,7 @@ class RolloutManager:
     def shutdown(self) -> None:
         """The reward worker's pool, every engine and the data plane it started, before Ray goes."""
         self.reward.close()
+        self.collector.shutdown(wait=False, cancel_futures=True)
         ray.get([e.shutdown.remote() for e in self.engines])
         with self.plane_lock:
             self._release_deferred()

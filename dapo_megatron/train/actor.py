@@ -130,12 +130,14 @@ class Actor:
         c = coords()
         return mb.minibatch_shares(sequence_lengths, loss_tokens, self.cfg.ppo_mini_batch_size * self.n, c.dp, c.dp_rank)
 
-    def update(self, batch: RolloutBatch, minis: list | None = None, tokens: int | None = None) -> dict:
+    def update(self, batch: RolloutBatch, minis: list | None = None, tokens: int | None = None,
+               new_step: bool = True) -> dict:
         """ppo_epochs x mini-batches of ppo_mini_batch_size * n responses; one optimizer step each.
 
         Without `minis` every rank holds the whole batch; with them `batch` holds this rank's rows
         only and `minis` lists, per mini-batch, its rows in `batch` and the global normalisers
-        (`minibatches`, mapped to `batch`). `tokens`: the whole batch's, for actor/tokens_per_s."""
+        (`minibatches`, mapped to `batch`). `tokens`: the whole batch's, for actor/tokens_per_s.
+        `new_step`: the schedule counts an RL step (False: a later streamed mini-batch of one)."""
         if batch.advantages is None:
             raise ValueError("Actor.update needs batch.advantages")
         if self.cfg.use_kl_loss and batch.ref_logprobs is None:
@@ -143,7 +145,8 @@ class Actor:
                              "reference model or set actor.use_kl_loss=false")
         self._on_device(*offload.GROUPS)
         start = time.perf_counter()
-        self.scheduler.step(1)  # warm-up counts RL steps; step 1 trains with lr / warmup, not 0
+        if new_step:
+            self.scheduler.step(1)  # warm-up counts RL steps; step 1 trains with lr / warmup, not 0
         if minis is None:
             minis = self.minibatches(batch.sequence_lengths, batch.loss_mask.bool().sum(1).tolist())
         if batch.old_logprobs is None and self.cfg.runs_old_logprob_pass(self.n, sum(c[1] for _, c in minis)):
@@ -155,7 +158,9 @@ class Actor:
             for rows, counts in minis:
                 steps.append(self._train_minibatch(batch.select(rows), counts))
         tokens = (tokens if tokens is not None else sum(batch.sequence_lengths)) * self.cfg.ppo_epochs
-        metrics = {k: sum(m[k] for m in steps) / len(steps) for k in steps[0]}
+        # means over the optimizer steps; a maximum (the rollout gap's) is the largest of theirs
+        metrics = {k: max(m[k] for m in steps) if k in _MAXED else sum(m[k] for m in steps) / len(steps)
+                   for k in steps[0]}
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
         metrics["actor/tokens_per_s"] = tokens / (time.perf_counter() - start)
         return metrics

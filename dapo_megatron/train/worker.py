@@ -142,16 +142,17 @@ class TrainWorker:
         return {"fields": list(out_rows[0]) if out_rows else [name], "metrics": metrics,
                 "tokens": int(batch.loss_mask.bool().sum())}
 
-    def step_update(self, step: dataplane.StepBatch) -> dict:
+    def step_update(self, step: dataplane.StepBatch, first: bool = True) -> dict:
         """The DAPO update on this rank's rows of every mini-batch, read from the data plane.
-        Its data_plane/bytes_* count what this rank read and wrote over the whole step."""
+        Its data_plane/bytes_* count what this rank read and wrote since the last update (the
+        step's; a streamed mini-batch's). `first`: the step's first update (`Actor.update`)."""
         minis = self.actor.minibatches(step.sequence_lengths, step.loss_tokens)
         rows = sorted({r for share, _ in minis for r in share})
         local = {r: i for i, r in enumerate(rows)}
         batch = dataplane.read_batch(self.plane, step, rows, read_by(READ_BY_UPDATE), self._rows(step))
         self.rows = {}
         minis = [([local[r] for r in share], counts) for share, counts in minis]
-        metrics = self.actor.update(batch, minis, tokens=sum(step.sequence_lengths))
+        metrics = self.actor.update(batch, minis, tokens=sum(step.sequence_lengths), new_step=first)
         self._peak("update")
         return {**metrics, **self._plane_counters()}
 

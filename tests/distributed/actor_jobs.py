@@ -97,11 +97,12 @@ def run_updates(hf_dir: str, parallel: dict, batch: RolloutBatch, over: dict, st
     the pass's exactly (`exact`), none (`update`: the update's own forward), the engine's given as
     old log-probs (`as_rollout`), or none with actor.old_logprobs=rollout (`rollout`: the engine's
     taken by the update); with all but the first the batch carries engine log-probs (the pass's +
-    noise) and `gap` is their expected metrics."""
+    noise) and `gap` is their expected metrics. `over["stream"]`: one update call per mini-batch
+    (trainer.stream_minibatches), the schedule stepped by the first."""
     from dapo_megatron.algo import rollout_logprob_metrics
     from dapo_megatron.train.actor import Actor
     over = dict(over)
-    old = over.pop("old", "perturbed")
+    old, stream = over.pop("old", "perturbed"), over.pop("stream", False)
     config = actor_config(parallel, **over, **({"old_logprobs": "rollout"} if old == "rollout" else {}))
     actor = Actor(config, hf_dir, n=2)
     before = export_weights(actor.chunks)
@@ -116,7 +117,13 @@ def run_updates(hf_dir: str, parallel: dict, batch: RolloutBatch, over: dict, st
         gap = {k: float(v) for k, v in rollout_logprob_metrics(batch.rollout_logprobs, current, batch.loss_mask).items()}
         batch.old_logprobs = {"exact": current, "as_rollout": batch.rollout_logprobs}.get(old)
         batch.ref_logprobs = current - 0.05
-    metrics = [actor.update(batch) for _ in range(steps)]
+    if stream:  # each mini-batch its own call, as trainer.stream_minibatches trains them, joined as it does
+        from dapo_megatron.driver.metrics import join_parts
+        mini = config.ppo_mini_batch_size * 2
+        parts = [batch.select(list(range(i, min(i + mini, len(batch))))) for i in range(0, len(batch), mini)]
+        metrics = [join_parts([actor.update(p, new_step=not k) for k, p in enumerate(parts)])]
+    else:
+        metrics = [actor.update(batch) for _ in range(steps)]
     return {"metrics": metrics, "logprobs": everywhere(actor.compute_logprobs(batch))["logprobs"],
             "before": before, "weights": export_weights(actor.chunks), "lr": config.optim.lr,
             "state": state_bytes(actor), "distributed_optimizer": config.optim.use_distributed_optimizer,

@@ -58,6 +58,9 @@ def results(tiny_hf_models, batch):
             if layout == "tp1":  # 1 vs 4 micro-batches
                 updates += [dict(max_tokens_per_microbatch=1 << 14),
                             dict(max_tokens_per_microbatch=four_bin_budget(batch))]
+            if layout in ON_POLICY:  # two mini-batches in bypass mode, whole and streamed (lr warm-up on)
+                updates += [dict(max_tokens_per_microbatch=MAX_TOKENS, old="rollout", ppo_mini_batch_size=2,
+                                 optim=dict(lr_warmup_steps=4), stream=stream) for stream in (False, True)]
             if layout in ON_POLICY:  # the two-pass update, then the update as its own old policy; the
                 # engine's log-probs as old ones, given, then taken by the update (actor.old_logprobs=rollout)
                 updates += [dict(max_tokens_per_microbatch=MAX_TOKENS, old=old)
@@ -194,6 +197,23 @@ def test_bypass_mode_trains_against_the_engines_logprobs(layout, results):
         assert gap == pytest.approx(bypass["gap"], abs=1e-6) and gap["rollout/logprob_diff_max"] > 1e-3
         # pi_old is pi_rollout, not the update's own forward: the ratio departs from 1
         assert bypass["metrics"][0]["actor/ppo_kl"] != pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("layout", ON_POLICY)
+def test_streamed_minibatches_update_as_the_whole_batch(layout, results):
+    """trainer.stream_minibatches: a step's two mini-batches trained one call each, as they arrive,
+    with the engine's log-probs as pi_old (bypass mode), move the weights as the whole batch's
+    update does, and report its metrics; the warm-up schedule counts the step once."""
+    for rank, res in enumerate(results(layout)):
+        whole, streamed = res["updates"][-6:-4]
+        actor_jobs.assert_same_weights(streamed, whole, 1e-6, f"{layout} rank {rank}")
+        moved = max(float((w - whole["before"][k]).abs().max()) for k, w in whole["weights"].items())
+        assert moved > 1e-5
+        assert set(streamed["metrics"][0]) == set(whole["metrics"][0])
+        for key, value in whole["metrics"][0].items():
+            if key != "actor/tokens_per_s":
+                assert streamed["metrics"][0][key] == pytest.approx(value, abs=1e-6), key
+        assert whole["metrics"][0]["actor/lr"] == pytest.approx(whole["lr"] / 4)  # warm-up step 1 of 4
 
 
 def test_update_without_old_logprobs_is_refused_off_policy(results):

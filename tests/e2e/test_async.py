@@ -1,8 +1,9 @@
 """The overlapping modes end to end on `quickstart_async`'s layout (split placement, one training
 rank and one engine) and the tiny task.
 
-one_step_off: three steps in this process, a checkpoint after each. The engines generate step
-k + 1's batch with the weights of step k - 1 while step k trains; a checkpoint saved while that
+one_step_off: three steps in this process, a checkpoint after each, each batch handed over in two
+mini-batches (trainer.stream_minibatches). The engines generate step k + 1's batch with the
+weights of step k - 1 while step k trains; a checkpoint saved while that
 batch waits untrained gives its prompts back to the stream. Its training rank is killed -9 in
 step 2's update: the run restarts from step 1's checkpoint with a new rank beside the engine,
 rollout manager and data plane it kept, step 3's batch (asked ahead) dropped. It starts from
@@ -72,7 +73,7 @@ def one_step_off(tiny_assets, tmp_path_factory, local_ray):
         "data.gen_batch_size": BATCH,
         "algorithm.filter_groups.enable": "false", "trainer.max_checkpoints_to_keep": 3, "trainer.test_freq": 2,
         "trainer.mode": "one_step_off", "trainer.max_staleness": 1, "algorithm.filter_groups.mode": "sync",
-        "trainer.max_restarts": 1,
+        "trainer.max_restarts": 1, "actor.ppo_mini_batch_size": BATCH // 2, "trainer.stream_minibatches": "true",
         "model.load_checkpoint": _uniform_checkpoint(tiny_assets, tmp_path_factory.mktemp("start"))})
     cfg = load_config("quickstart_async", overrides)
     faults.install("rank:update:2")  # the driver, this process, kills the rank in step 2's update
@@ -103,6 +104,11 @@ def test_next_batch_is_generated_one_push_behind_while_the_step_trains(one_step_
     # default (quickstart_async sets no actor.rollout_correction: is_level=auto is token here)
     assert all("actor/is_weight_mean" in r and 0.0 <= r["actor/is_clipfrac"] <= 1.0 for r in rows)
     assert "val/acc" in rows[1]
+    # each batch handed over in two mini-batches (trainer.stream_minibatches), one update each
+    phases = [json.loads(line) for line in open(out / "phases.jsonl")]
+    last = [(p["phase"], p["what"]) for p in phases if p["step"] == 3 and p["phase"] in ("trainer_wait", "update")]
+    assert last == [("trainer_wait", [0]), ("update", []), ("trainer_wait", [1]), ("update", [])], last
+    assert all(r["timing/stream_overlap"] >= 0 for r in rows)
 
 
 def test_a_run_started_from_a_checkpoint_trains_and_samples_its_weights(one_step_off, tiny_assets):

@@ -426,7 +426,8 @@ def test_rollout_manager_reproduces_the_drivers_batches_and_resumes_exactly(plan
     collection made before the manager existed: same keys, lengths, scores, groups, metrics, with
     dynamic sampling dropping groups; in early-stop mode with a scripted finish order (prompts
     aborted and pushed back in between). A second manager loaded from the first's state after
-    step 1 (a resumed run) produces the same steps 2 and 3."""
+    step 1 (a resumed run) produces the same steps 2 and 3. The first hands each batch out in three
+    parts (trainer.stream_minibatches): in order, they are the batch."""
     ray = pytest.importorskip("ray")
     from dapo_megatron.rollout.manager import manager_actor
     from dapo_megatron.rollout.reward_worker import RewardWorker
@@ -442,16 +443,20 @@ def test_rollout_manager_reproduces_the_drivers_batches_and_resumes_exactly(plan
         return manager_actor().options(num_cpus=0).remote(cfg, [engine()], str(tiny_assets / "tokenizer"), handle,
                                                           Items(24), None, ())
 
-    def batch(m, step):
-        out = ray.get(m.next_batch.remote(step))
-        plane.clear(out[0].partition)  # the trainer's part
-        return out
+    def batch(m, step, parts=1):
+        """Every part at once, as the trainer asks them; the whole batch and its metrics."""
+        outs = ray.get([m.next_batch.remote(step, k, parts) for k in range(parts)])
+        _, metrics, whole = outs[-1]
+        assert [k for part, _, _ in outs for k in part.keys] == whole.keys  # the parts, in order, are the batch
+        plane.clear(whole.partition)  # the trainer's part
+        return whole, metrics
 
-    # both started at once: the resumed one's process start-up (~10 s here) overlaps the first's steps
+    # both started at once: the resumed one's process start-up (~10 s here) overlaps the first's steps;
+    # the first hands its batches out a group at a time (trainer.stream_minibatches)
     first, resumed = manager(), manager()
-    got = [batch(first, 1)]
+    got = [batch(first, 1, 3)]
     state = ray.get(first.state_dict.remote())
-    got += [batch(first, 2), batch(first, 3)]
+    got += [batch(first, 2, 3), batch(first, 3, 3)]
     # what a checkpoint saves while step 2's batch waits untrained (trainer.mode=one_step_off)
     assert ray.get(first.state_dict.remote(2)) == state
     ray.get(resumed.load_state_dict.remote(state))

@@ -6,6 +6,7 @@ future for an ObjectRef."""
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import importlib.util
 import json
 import os
@@ -157,3 +158,31 @@ def test_the_calibration_table_has_one_measured_and_one_simulated_row_a_mode(mon
     errs = [int(r[2].split("(")[1].rstrip("%)")) for r in table.rows[1::2]]
     assert f"{min(errs):+d}% to {max(errs):+d}%" in note
     assert f"within {min(errs):+d}% to {max(errs):+d}%" in sim.summarize([{"id": "calibration", "rows": table.rows}])
+
+
+def test_streamed_minibatches_train_while_the_step_generates(in_process_ray, monkeypatch):
+    """trainer.stream_minibatches, sync mode: a 4-group batch in 4 mini-batches. Each trains (one
+    update call, the schedule counting the step at the first) as soon as its group is scored,
+    while the engine generates the others: the first update starts before the step's last group
+    is in (timing/stream_overlap), and the parts, in order, are the whole batch."""
+    sim = _load("async_sim")
+    calls, wholes = [], []
+    update = sim.SimTrain.step_update
+    monkeypatch.setattr(sim.SimTrain, "step_update",
+                        lambda self, step, first=True: calls.append((list(step.keys), first)) or update(self, step, first))
+    from dapo_megatron.driver import trainer
+    metrics = trainer.batch_metrics
+    monkeypatch.setattr(trainer, "batch_metrics", lambda batch, *a: wholes.append(list(batch.keys)) or metrics(batch, *a))
+    # long responses (median 100 tokens at ~20 ms a decode step, virtual) against a 0.3 s update;
+    # every group kept (the filter off): four parts a step
+    cluster = dataclasses.replace(_tiny(sim, update_s=0.3), length_median=100.0, length_sigma=0.8,
+                                  overrides=(*_tiny(sim).overrides, "actor.ppo_mini_batch_size=1",
+                                             "data.max_response_length=400", "algorithm.filter_groups.enable=false"))
+    rows = sim.simulate(cluster, [*sim.MODES["sync"], "trainer.stream_minibatches=true"], 3, 10.0, 1)
+
+    assert len(rows) == 3 and len(calls) == 12 and len(wholes) == 3
+    assert [first for _, first in calls] == [True, False, False, False] * 3
+    for s, whole in enumerate(wholes):
+        assert [k for keys, _ in calls[4 * s:4 * s + 4] for k in keys] == whole and len(whole) == 16
+    assert all(r["timing/stream_overlap"] > 0 for r in rows), [r["timing/stream_overlap"] for r in rows]
+    assert all(r["rollout/staleness_max"] == 0 for r in rows)  # sync: one push a step, after its last update

@@ -112,6 +112,10 @@ def test_old_logprob_pass_is_skipped_only_exactly_on_policy():
     (["actor.rollout_correction.is_level=null"], None),
     (["actor.rollout_correction.is_level=geometric"], "geometric"),
     (["actor.old_logprobs=rollout"], None),  # bypass mode: pi_old is pi_rollout, nothing to weigh
+    # streamed mini-batches: after the step's first optimizer step the engine's weights are older
+    (["trainer.mode=sync", "trainer.max_staleness=1", "trainer.stream_minibatches=true",
+      "actor.ppo_mini_batch_size=8"], "token"),
+    (["trainer.mode=sync", "trainer.max_staleness=1", "trainer.stream_minibatches=true"], None),  # one part
 ])
 def test_the_correction_is_on_by_default_where_trained_tokens_can_be_off_policy(overrides, level):
     """actor.rollout_correction.is_level=auto, resolved once by validation (the run's config.yaml
@@ -137,6 +141,26 @@ def test_the_stale_share_bounds_async_partial_rollouts_of_one_push(overrides, ok
     with pytest.raises(ConfigError) as err:
         load_config("quickstart_async", overrides)
     assert err.value.key == "trainer.stale_share" and len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+@pytest.mark.parametrize("overrides,ok", [
+    (["trainer.mode=sync", "trainer.max_staleness=1"], True),
+    ([], True),  # async, partial rollouts, drop
+    (["trainer.mode=one_step_off", "trainer.max_staleness=1"], True),
+    (["trainer.placement=colocated", "trainer.mode=sync", "trainer.max_staleness=1", "rollout.num_devices=0"], False),
+    (["trainer.mode=sync", "trainer.max_staleness=1", "actor.ppo_epochs=2"], False),  # each part trained once
+    (["trainer.stale_strategy=wait"], False),  # a full batch reordered after its parts trained
+])
+def test_streamed_minibatches_need_split_placement_one_epoch_and_the_order_kept(overrides, ok):
+    """trainer.stream_minibatches on quickstart_async (16 prompts in mini-batches of 8: two parts)."""
+    overrides = ["actor.ppo_mini_batch_size=8", "trainer.stream_minibatches=true", *overrides]
+    if ok:
+        cfg = load_config("quickstart_async", overrides)
+        assert cfg.trainer.parts(cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size) == 2
+        return
+    with pytest.raises(ConfigError) as err:
+        load_config("quickstart_async", overrides)
+    assert err.value.key == "trainer.stream_minibatches" and len(str(err.value).splitlines()) == 1, str(err.value)
 
 
 def test_verl_overrides_translate_to_our_keys():

@@ -151,6 +151,7 @@ def test_fully_async_30b_script_lands_on_our_keys_and_plans(monkeypatch):
     t = cfg.trainer
     assert (cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size, cfg.rollout.n) == (512, 32, 16)
     assert (t.mode, t.placement, t.max_staleness, t.stale_share, t.partial_rollout) == ("async", "split", 1, 0.6, True)
+    assert t.parts(cfg.data.train_batch_size, cfg.actor.ppo_mini_batch_size) == 16  # each mini-batch as it is in
     assert (t.nnodes, t.n_gpus_per_node, cfg.rollout.num_devices) == (4, 8, 16)
     assert (t.total_training_steps, t.total_epochs, t.test_freq) == (400, 10, 25)
     assert cfg.actor.old_logprobs == "rollout" and cfg.actor.rollout_correction.is_level is None  # bypass mode

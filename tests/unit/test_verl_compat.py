@@ -121,6 +121,8 @@ TRANSLATED = [
       "actor_rollout_ref.actor.ppo_mini_batch_size=3", *SPLIT], "data.train_batch_size", 24),
     (["+async_training.trigger_parameter_sync_step=4", "+async_training.require_batches=2",
       "actor_rollout_ref.actor.ppo_mini_batch_size=3", *SPLIT], "actor.ppo_mini_batch_size", 6),
+    (["+async_training.trigger_parameter_sync_step=4", "+async_training.require_batches=2",
+      "actor_rollout_ref.actor.ppo_mini_batch_size=3", *SPLIT], "trainer.stream_minibatches", True),
     (["+async_training.trigger_parameter_sync_step=2", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
       "+rollout.total_rollout_steps=100", *SPLIT], "trainer.total_training_steps", 12),
     (["+async_training.use_rollout_log_probs=True", *SPLIT], "actor.old_logprobs", "rollout"),
