@@ -17,7 +17,8 @@ training ranks (no model, no vLLM, no Megatron: labelled "simulated" in every ta
    next would drop (trainer.stale_strategy=wait), and async at 1 with the share of a batch's
    groups started before its push bounded at 0.6 and 0.1 (trainer.stale_share: verl's
    staleness_threshold in its 30B-A3B recipe and by default), and sync, async at 2 and at 1 with
-   the share 0.6 with each mini-batch trained as its groups are in (trainer.stream_minibatches).
+   the share 0.6 with each mini-batch trained as its groups are in (trainer.stream_minibatches),
+   and async at 2 and 4 with engine slots counted in running responses (rollout.admission).
    Virtual time runs `--scale` times faster than the wall clock; each table says how far the
    stand-in engines fell behind their model (a busy machine).
 """
@@ -121,7 +122,7 @@ class SimEngine:
         self.c, self.scale, self.seed = cluster, scale, seed
         self.requests: dict[str, _Request] = {}
         self.waiting: deque = deque()  # (rid, j)
-        self.running: dict[tuple[str, int], _Response] = {}
+        self.decoding: dict[tuple[str, int], _Response] = {}
         self.heap: list = []  # (finish step, rid, j)
         self.finished: list[StoredGroup] = []
         self.cond = threading.Condition()
@@ -177,7 +178,7 @@ class SimEngine:
                     continue
                 for j, r in enumerate(req.responses):
                     if r.length < 0:
-                        running = self.running.pop((rid, j), None)
+                        running = self.decoding.pop((rid, j), None)
                         r.length, r.reason = (self.steps - r.start if running else 0), "abort"
                         r.spans = r.spans or [(self.version, 0)]
                         self._done(req)
@@ -193,6 +194,11 @@ class SimEngine:
                 if g.request_id in rids:
                     g.partition = partition
 
+    def running(self) -> int:
+        """Responses of the groups in flight not finished yet (waiting or decoding)."""
+        with self.cond:
+            return sum(r.left for r in self.requests.values())
+
     def num_in_flight(self) -> int:
         with self.cond:
             return len(self.requests)
@@ -207,7 +213,7 @@ class SimEngine:
         with self.cond:
             self.version = self.version + 1 if version is None else version
             recompute, groups = 0, set()
-            for (rid, j), r in self.running.items():
+            for (rid, j), r in self.decoding.items():
                 tokens = self.steps - r.start
                 if r.spans[-1][1] == tokens:
                     r.spans[-1] = (self.version, tokens)
@@ -253,14 +259,14 @@ class SimEngine:
 
     def _admit(self) -> None:
         admitted = 0
-        while self.waiting and len(self.running) < self.c.slots:
+        while self.waiting and len(self.decoding) < self.c.slots:
             rid, j = self.waiting.popleft()
             req = self.requests.get(rid)
             r = req.responses[j] if req else None
             if r is None or r.length >= 0:
                 continue  # aborted while waiting
             r.start, r.spans = self.steps, [(self.version, 0)]
-            self.running[(rid, j)] = r
+            self.decoding[(rid, j)] = r
             heapq.heappush(self.heap, (self.steps + r.target, rid, j))
             if not req.admitted:  # the n responses share the prompt's prefill (prefix cache)
                 req.admitted, admitted = True, admitted + req.prompt_len
@@ -269,10 +275,10 @@ class SimEngine:
 
     def _advance(self, k: int) -> None:
         self.steps += k
-        self.stats["tokens"] += k * len(self.running)
+        self.stats["tokens"] += k * len(self.decoding)
         while self.heap and self.heap[0][0] <= self.steps:
             _, rid, j = heapq.heappop(self.heap)
-            r = self.running.pop((rid, j), None)
+            r = self.decoding.pop((rid, j), None)
             if r is not None:
                 r.length = r.target
                 self._done(self.requests[rid])
@@ -281,18 +287,18 @@ class SimEngine:
         deadline = time.monotonic()
         while True:
             with self.cond:
-                while not self.stop and (self.paused or not (self.running or self.waiting or self.stall)):
+                while not self.stop and (self.paused or not (self.decoding or self.waiting or self.stall)):
                     self.cond.wait()
                     deadline = time.monotonic()
                 if self.stop:
                     return
                 self._admit()
-                c, stall = len(self.running), self.stall
+                c, stall = len(self.decoding), self.stall
                 self.stall = 0.0
                 step_v = (self.c.a + self.c.b * c) * self.slow
                 k = 0
                 if c:
-                    while self.heap and (self.heap[0][1], self.heap[0][2]) not in self.running:
+                    while self.heap and (self.heap[0][1], self.heap[0][2]) not in self.decoding:
                         heapq.heappop(self.heap)
                     k = max(1, min(self.heap[0][0] - self.steps, int(TICK_S * self.scale / step_v)))
                 busy_v = stall * self.slow + k * step_v
@@ -593,7 +599,11 @@ LARGE_MODES = {"sync": MODES["sync"], "one_step_off": MODES["one_step_off"],
                # last row is verl's fully-async 30B-A3B recipe as it translates (share 0.6, streamed)
                **{f"{k}, streamed": [*v, "trainer.stream_minibatches=true"] for k, v in (
                    ("sync", MODES["sync"]), ("async k=2", MODES["async k=2"]),
-                   ("async k=1, stale share 0.6", [*MODES["async k=1"], "trainer.stale_share=0.6"]))}}
+                   ("async k=1, stale share 0.6", [*MODES["async k=1"], "trainer.stale_share=0.6"]))},
+               # a finished response frees its slot (rollout.admission=responses), not its whole group
+               **{f"{k}, by responses": [*v, "rollout.admission=responses"] for k, v in (
+                   ("async k=2", MODES["async k=2"]), ("async k=4", MODES["async k=4"]),
+                   ("async k=2, streamed", [*MODES["async k=2"], "trainer.stream_minibatches=true"]))}}
 WARMUP = 2
 
 

@@ -188,6 +188,11 @@ class RolloutConfig:
     sleep_level: int = 2
     max_num_batched_tokens: int = 8192
     max_concurrent_per_engine: int = 256
+    # Streaming collections (early stop, async): how an engine's share of max_concurrent_per_engine
+    # is counted. groups: a group holds its n slots until its last response ends; responses: a
+    # finished response frees its slot, so a new group starts once n are free (the engines report
+    # their running responses with each poll).
+    admission: str = "groups"
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     # Vision-language models: the most images one prompt may carry (vLLM's limit_mm_per_prompt;

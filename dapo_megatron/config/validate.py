@@ -29,6 +29,7 @@ CHOICES: dict[str, tuple] = {
     "trainer.placement": ("colocated", "split"),
     "trainer.mode": ("sync", "one_step_off", "async"),
     "trainer.stale_strategy": ("drop", "wait"),
+    "rollout.admission": ("groups", "responses"),
     "actor.loss_agg_mode": tuple(LOSS_AGG_MODES),
     "actor.policy_loss": tuple(POLICY_LOSSES),
     "actor.rollout_correction.is_level": (None, "none", "auto", *IS_LEVELS),

@@ -166,6 +166,11 @@ class Engine:
     def num_in_flight(self) -> int:
         return self._call(lambda: len(self._requests.live))
 
+    def running(self) -> int:
+        """Responses of the groups in flight not finished yet: the slots they hold
+        (rollout.admission=responses)."""
+        return self._call(lambda: sum(len(live.children) - len(live.done) for live in self._requests.live.values()))
+
     def tokens_in_flight(self) -> int:
         """Response tokens generated so far by the groups in flight."""
         return self._call(lambda: sum(len(r) for live in self._requests.live.values() for r in live.group.responses))

@@ -231,7 +231,9 @@ def test_abort_half_of_the_requests(setup):
     time.sleep(0.3)  # let every request generate some tokens
     engine.pause()  # so that none can finish between the check below and the abort
     assert engine.num_in_flight() == 8, "requests finished before the abort; raise max_tokens"
+    assert engine.running() == 8  # the slots they hold (rollout.admission=responses)
     assert sorted(engine.abort([f"abort-{i}" for i in range(4)] + ["no-such-id"])) == [f"abort-{i}" for i in range(4)]
+    assert engine.running() == 4
     engine.resume()
     groups = {g.request_id: g for g in _poll_all(engine, 8)}
     for i in range(8):

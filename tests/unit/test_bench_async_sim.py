@@ -186,3 +186,25 @@ def test_streamed_minibatches_train_while_the_step_generates(in_process_ray, mon
         assert [k for keys, _ in calls[4 * s:4 * s + 4] for k in keys] == whole and len(whole) == 16
     assert all(r["timing/stream_overlap"] > 0 for r in rows), [r["timing/stream_overlap"] for r in rows]
     assert all(r["rollout/staleness_max"] == 0 for r in rows)  # sync: one push a step, after its last update
+
+
+def test_admission_by_running_responses_fills_the_engines_slots(in_process_ray, monkeypatch):
+    """rollout.admission=responses: a group's finished responses free their slots, so the engine
+    takes a new group once n are free. Long-tailed lengths (lognormal sigma 1), async at staleness
+    2 (enough groups wanted): the engine runs more responses at once than when each group holds its
+    n slots to its end, and never more unfinished ones than rollout.max_concurrent_per_engine."""
+    sim = _load("async_sim")
+    seen = []  # unfinished responses on the engine as each group arrives, and the group's n
+    submit = sim.SimEngine.submit
+    monkeypatch.setattr(sim.SimEngine, "submit", lambda self, rid, prompt, sampling, *a, **kw:
+                        seen.append(self.running() + sampling.n) or submit(self, rid, prompt, sampling, *a, **kw))
+    cluster = dataclasses.replace(_tiny(sim, update_s=0.5), length_median=40.0, length_sigma=1.0,
+                                  overrides=(*_tiny(sim).overrides, "data.max_response_length=400",
+                                             "rollout.max_concurrent_per_engine=16"))
+    runs = {}
+    for admission in ("groups", "responses"):
+        seen.clear()
+        rows = sim.simulate(cluster, [*sim.MODES["async k=2"], f"rollout.admission={admission}"], 5, 10.0, 1)
+        runs[admission] = (sum(r["sim/concurrency"] for r in rows) / len(rows), max(seen))
+    assert runs["responses"][1] <= 16 == runs["groups"][1], runs  # 4 groups of 4 at most
+    assert runs["responses"][0] > 1.2 * runs["groups"][0], runs

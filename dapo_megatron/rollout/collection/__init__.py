@@ -32,6 +32,8 @@ def build(cfg: DapoConfig, source: Source) -> Collection:
     """The strategy the config asks for (its keys read here, once)."""
     if cfg.algorithm.filter_groups.mode != "early_stop":
         return Rounds(source)
+    by_responses = cfg.rollout.admission == "responses"
     if cfg.trainer.carries_in_flight:
-        return Carrying(source, cfg.rollout.max_concurrent_per_engine, Staleness.from_config(cfg.trainer))
-    return EarlyStop(source, cfg.rollout.max_concurrent_per_engine)
+        return Carrying(source, cfg.rollout.max_concurrent_per_engine, Staleness.from_config(cfg.trainer),
+                        by_responses=by_responses)
+    return EarlyStop(source, cfg.rollout.max_concurrent_per_engine, by_responses=by_responses)

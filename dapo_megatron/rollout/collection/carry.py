@@ -48,8 +48,9 @@ class Staleness:
 class Carrying(EarlyStop):
     """Early stop that keeps what is in flight (`carried`) for the next collection."""
 
-    def __init__(self, source: Source, max_concurrent_per_engine: int, staleness: Staleness, poll_s: float = 0.05):
-        super().__init__(source, max_concurrent_per_engine, poll_s)
+    def __init__(self, source: Source, max_concurrent_per_engine: int, staleness: Staleness, poll_s: float = 0.05,
+                 by_responses: bool = False):
+        super().__init__(source, max_concurrent_per_engine, poll_s, by_responses)
         self.staleness = staleness
         self.carried: Stream | None = None  # None while a collection runs: it owns them
         self.quota = staleness.quota(source.sampler.train_batch_size)  # stale groups a batch may hold

@@ -21,8 +21,10 @@ from dapo_megatron.rollout.types import Sampling, StoredGroup
 class EarlyStop:
     """Stream prompts to the engines until train_batch_size groups are kept, then abort the rest."""
 
-    def __init__(self, source: Source, max_concurrent_per_engine: int, poll_s: float = 0.05):
+    def __init__(self, source: Source, max_concurrent_per_engine: int, poll_s: float = 0.05,
+                 by_responses: bool = False):
         self.source, self.max_concurrent_per_engine, self.poll_s = source, max_concurrent_per_engine, poll_s
+        self.by_responses = by_responses  # rollout.admission=responses
 
     def collect(self, step: int, sampling: Sampling, store: Store) -> Collected:
         run = self.stream(sampling, Tokens(store))
@@ -35,7 +37,7 @@ class EarlyStop:
 
     def stream(self, sampling: Sampling, tokens: Tokens) -> "Stream":
         s = self.source
-        return Stream(s.engines, sampling, self.max_concurrent_per_engine, tokens, s.health)
+        return Stream(s.engines, sampling, self.max_concurrent_per_engine, tokens, s.health, self.by_responses)
 
     def fill(self, run: "Stream", oldest_version: int | None = None, batches_after: int = 0) -> None:
         """Submit and score until the batch is full or the round budget is spent; groups older than
@@ -84,17 +86,20 @@ class EarlyStop:
 class Stream:
     """The state of one streaming collection: what is queued, in flight, and where. With
     `health`, an engine that dies (or finishes nothing for rollout.engine_timeout_s while it has
-    requests) is reported and its in-flight prompts go back to the front of the queue."""
+    requests) is reported and its in-flight prompts go back to the front of the queue. An engine
+    takes a group while it has n of its max_concurrent_per_engine slots free: counted in groups
+    (each holds n until its last response ends) or, `by_responses`, in the responses still running
+    (as the engine last reported them, plus n per group submitted since)."""
 
     def __init__(self, engines: list, sampling: Sampling, max_concurrent_per_engine: int,
-                 tokens: Tokens, health: EngineHealth | None = None):
+                 tokens: Tokens, health: EngineHealth | None = None, by_responses: bool = False):
         self.engines, self.sampling, self.tokens = engines, sampling, tokens
         self.health = health
-        # Capacity in groups: an engine runs n requests per prompt.
-        self.capacity = max(1, max_concurrent_per_engine // sampling.n)
+        self.slots, self.by_responses = max(max_concurrent_per_engine, sampling.n), by_responses
         self.queued: deque[PromptItem] = deque()
         self.in_flight: dict[str, tuple[int, PromptItem]] = {}  # request id -> (engine, item)
-        self.load = [0] * len(engines)
+        self.load = [0] * len(engines)  # groups in flight
+        self.running = [0] * len(engines)  # slots taken: n per group in flight, or its running responses
         self.progress = [time.monotonic()] * len(engines)  # an engine's last finished group (or first request)
         self.ids = itertools.count()
 
@@ -109,8 +114,8 @@ class Stream:
                 self.health.wait_alive()  # the driver is starting a replacement
             calls: dict[int, list] = {}
             while self.queued and len(self.in_flight) < limit:
-                e = min(self._alive(), key=self.load.__getitem__)  # least-loaded engine first
-                if self.load[e] >= self.capacity:
+                e = min(self._alive(), key=self.running.__getitem__)  # least-loaded engine first
+                if self.running[e] + self.sampling.n > self.slots:
                     break
                 item = self.queued.popleft()
                 rid = f"g{next(self.ids)}-p{item.index}"
@@ -118,6 +123,7 @@ class Stream:
                 if not self.load[e]:
                     self.progress[e] = time.monotonic()
                 self.load[e] += 1
+                self.running[e] += self.sampling.n
                 calls.setdefault(e, []).append(self.engines[e].submit.remote(
                     rid, item.prompt, self.sampling, index=item.index, partition=self.tokens.store.partition))
             if len(self._answers(calls)) == len(calls):
@@ -131,16 +137,24 @@ class Stream:
             calls = {e: self.engines[e].poll.remote(timeout=timeout) for e in self._alive() if self.load[e]}
         else:
             calls = {e: self.engines[e].poll.remote(timeout=timeout, only=rids) for e, rids in self._by_engine(only).items()}
+        if self.by_responses:  # asked beside the poll: as of its start, so it errs on the full side
+            calls = {e: [ref, self.engines[e].running.remote()] for e, ref in calls.items()}
         busy = list(calls)
         answers = self._answers(calls, wait_s=timeout)
         for e, results in answers.items():
+            if self.by_responses:
+                results, self.running[e] = results
             self.tokens.driver_bytes += received(results)
             if results:
                 self.progress[e] = time.monotonic()
             for group in results:
                 _, item = self.in_flight.pop(group.request_id)
                 self.load[e] -= 1
+                if not self.by_responses:
+                    self.running[e] -= self.sampling.n
                 done.append((item, group))
+            if self.by_responses:
+                self.running[e] = min(self.running[e], self.load[e] * self.sampling.n)
         # An answer tells what had finished when the poll was asked (a hung peer may have kept
         # this loop waiting since), so an engine's silence is measured up to then.
         # (Not while a batch waits for its stragglers: the others finish unpolled, so silence
@@ -176,7 +190,7 @@ class Stream:
         for rid, _ in lost:
             del self.in_flight[rid]
         self.queued.extendleft(reversed([item for _, item in lost]))
-        self.load[engine] = 0
+        self.load[engine] = self.running[engine] = 0
         return len(lost)
 
     def _by_engine(self, rids: set[str] | None = None) -> dict[int, list[str]]:
