@@ -77,6 +77,20 @@ class OffloadConfig:
 
 
 @dataclass
+class PolicyLossParams:
+    """The keys of the loss rows that have their own (algo/loss.py `LossParams`; verl's names and
+    defaults: actor.tau_pos / tau_neg, actor.policy_loss.* there)."""
+    tau_pos: float = 1.0  # sapo: the soft gate's temperature where A > 0
+    tau_neg: float = 1.05  # sapo: where A <= 0
+    clip_cov_ratio: float = 0.0002  # clip_cov: share of the tokens whose gradient is cut
+    clip_cov_lb: float = 1.0  # clip_cov: the covariance band they are drawn from
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002  # kl_cov: share of the tokens given the |log r| term
+    ppo_kl_coef: float = 0.1  # kl_cov: its coefficient
+    dro_beta: Optional[float] = None  # dro: the quadratic log-ratio penalty (> 0, required there)
+
+
+@dataclass
 class RolloutCorrectionConfig:
     """Engine vs trainer mismatch, rho = pi_old / pi_rollout per token (algo/correction.py; verl's
     algorithm.rollout_correction). The one home of rollout correction."""
@@ -104,7 +118,10 @@ class ActorConfig:
     clip_ratio_high: float = 0.28
     clip_ratio_c: Optional[float] = 10.0  # dual clip bound for negative advantages; null: off
     loss_agg_mode: str = "token-mean"
-    policy_loss: str = "dapo"  # dapo | gspo (needs seq-mean-token-mean) | gspo_token | cispo (algo/loss.py)
+    # dapo | gspo, sapo, geo_mean (need seq-mean-token-mean) | gspo_token | cispo | reinforce | clip_cov |
+    # kl_cov | gpg | dro | dppo_tv | dppo_kl: the rows of algo/loss.POLICY_LOSSES
+    policy_loss: str = "dapo"
+    policy_loss_params: PolicyLossParams = field(default_factory=PolicyLossParams)
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False

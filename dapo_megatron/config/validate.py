@@ -162,6 +162,7 @@ def _check_algorithm(cfg: DapoConfig) -> None:
     _require(needs is None or a.loss_agg_mode == needs, "actor.loss_agg_mode",
              f"actor.policy_loss={a.policy_loss} is a sequence-level objective: set actor.loss_agg_mode={needs} "
              f"(got {a.loss_agg_mode}), or actor.policy_loss=gspo_token for its token form")
+    _check_loss_params(a)
     _check_correction(a.rollout_correction)
     if a.old_logprobs == "rollout":
         _check_bypass(a)
@@ -197,6 +198,18 @@ def _check_bypass(a) -> None:
     _require(a.router_replay != "actor", "actor.router_replay",
              "actor.router_replay=actor records the routes in the old-log-prob pass, which "
              "actor.old_logprobs=rollout does not run: use actor.router_replay=rollout (the engine's routes)")
+
+
+def _check_loss_params(a) -> None:
+    """The keys of the loss rows that read their own (actor.policy_loss_params)."""
+    p, k = a.policy_loss_params, "actor.policy_loss_params."
+    _require(a.policy_loss != "dro" or (p.dro_beta is not None and p.dro_beta > 0), k + "dro_beta",
+             f"actor.policy_loss=dro needs {k}dro_beta > 0 (the quadratic log-ratio penalty), got {p.dro_beta}")
+    for name in ("tau_pos", "tau_neg", "clip_cov_ratio", "kl_cov_ratio"):
+        _require(getattr(p, name) > 0, k + name, f"{k}{name} must be > 0, got {getattr(p, name)}")
+    _require(p.clip_cov_lb < p.clip_cov_ub, k + "clip_cov_lb",
+             f"{k}clip_cov_lb ({p.clip_cov_lb}) must be below clip_cov_ub ({p.clip_cov_ub})")
+    _require(p.ppo_kl_coef >= 0, k + "ppo_kl_coef", f"{k}ppo_kl_coef must be >= 0, got {p.ppo_kl_coef}")
 
 
 def _check_correction(c) -> None:

@@ -18,7 +18,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-from dapo_megatron.algo import IS_LEVELS, RS_CRITERIA
+from dapo_megatron.algo import IS_LEVELS, POLICY_LOSSES, RS_CRITERIA
 from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.config.verl_fully_async import Plan, is_fully_async
 from dapo_megatron.dtypes import BY_ANY_NAME
@@ -43,6 +43,10 @@ RENAMES: dict[str, str] = {
     **{_A + k: "actor." + k for k in (
         "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "loss_agg_mode", "ppo_mini_batch_size",
         "ppo_epochs", "entropy_coeff", "use_kl_loss", "kl_loss_coef", "kl_loss_type")},
+    # the keys of verl's other policy losses (SAPO's temperatures, Clip-Cov, KL-Cov, DRO)
+    **{_A + k: "actor.policy_loss_params." + k for k in ("tau_pos", "tau_neg")},
+    **{_A + "policy_loss." + k: "actor.policy_loss_params." + k for k in (
+        "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")},
     _A + "ppo_max_token_len_per_gpu": "actor.max_tokens_per_microbatch",
     _A + "grad_clip": "actor.optim.clip_grad",
     _A + "clip_grad": "actor.optim.clip_grad",
@@ -157,7 +161,10 @@ _OLD_RS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean
 _LOSS_MODES = {"vanilla": ["actor.policy_loss=dapo"], "cispo": ["actor.policy_loss=cispo"],
                "bypass_mode": ["actor.policy_loss=dapo", "actor.old_logprobs=rollout"],  # its ppo_clip form
                # verl runs its GSPO (the token form) with seq-mean-token-mean forced: our gspo, said aloud
-               "gspo": ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"]}
+               "gspo": ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"],
+               # verl forces seq-mean-token-mean on SAPO and averages GMPO's sequences whatever the mode
+               **{m: [f"actor.policy_loss={m}", "actor.loss_agg_mode=seq-mean-token-mean"] for m in ("sapo", "geo_mean")},
+               **{m: [f"actor.policy_loss={m}"] for m in ("clip_cov", "kl_cov", "gpg", "dro", "dppo_tv", "dppo_kl")}}
 
 
 def _is_null(value: str) -> bool:
@@ -205,7 +212,7 @@ def _loss_mode(value: str) -> list[str]:
     mode = _bare(value).lower()
     if mode not in _LOSS_MODES:
         raise ValueError(f"policy_loss.loss_mode={_bare(value)} is not one of {', '.join(_LOSS_MODES)} "
-                         f"(actor.policy_loss: dapo, gspo, gspo_token, cispo)")
+                         f"(actor.policy_loss: {', '.join(POLICY_LOSSES)})")
     return _LOSS_MODES[mode]
 
 

@@ -22,7 +22,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from dapo_megatron.algo import Correction, agg_loss, compute_policy_loss, kl_penalty, rollout_logprob_metrics
+from dapo_megatron.algo import Correction, LossParams, agg_loss, compute_policy_loss, kl_penalty, rollout_logprob_metrics
 from dapo_megatron.batch import RolloutBatch
 from dapo_megatron.config.schema import ActorConfig
 from dapo_megatron.device import get_device
@@ -79,6 +79,7 @@ class Actor:
                  total_steps: int = 1, dtype: str = "fp32", temperature: float = 1.0, load_weights: bool = True):
         self.cfg, self.n, self.temperature = cfg, n, temperature
         self.correction = Correction(**vars(cfg.rollout_correction))
+        self.loss_params = LossParams(**vars(cfg.policy_loss_params))
         self.spec = spec = spec or ModelSpec.from_pretrained(hf_dir)
         p = cfg.parallel  # config/validate.check_parallel_fits_model explains this rule to users
         assert not (spec.is_moe and p.tp > 1 and p.ep == 1 and p.etp != p.tp), "MoE with tp > 1, ep 1 needs etp == tp"
@@ -223,7 +224,7 @@ class Actor:
             old, logprobs, micro.advantages.to(dev), mask,  # advantages [b]
             clip_ratio_low=cfg.clip_ratio_low, clip_ratio_high=cfg.clip_ratio_high, clip_ratio_c=cfg.clip_ratio_c,
             loss_agg_mode=cfg.loss_agg_mode, policy_loss=cfg.policy_loss,
-            rollout_logprobs=rollout, correction=self.correction, **glob)
+            rollout_logprobs=rollout, correction=self.correction, params=self.loss_params, **glob)
         ent_loss = agg_loss(entropy, mask, cfg.loss_agg_mode, **glob)
         loss = pg_loss - cfg.entropy_coeff * ent_loss
         data.update({k: float(m[k]) * float(ntok) for k in _TOKEN_WEIGHTED if k in m})  # m is detached

@@ -8,8 +8,9 @@ batch waits untrained gives its prompts back to the stream. Its training rank is
 step 2's update: the run restarts from step 1's checkpoint with a new rank beside the engine,
 rollout manager and data plane it kept, step 3's batch (asked ahead) dropped. It starts from
 model.load_checkpoint: a Megatron checkpoint whose weights are not model.path's.
-async (the config as shipped: two batches ahead, partial rollouts, early-stop sampling): killed -9
-in step 3's update (the engine generating the next batches meanwhile), then resumed to step 4.
+async (the config as shipped: two batches ahead, partial rollouts, early-stop sampling; verl's
+DPPO-TV loss): killed -9 in step 3's update (the engine generating the next batches meanwhile),
+then resumed to step 4.
 """
 from __future__ import annotations
 
@@ -153,9 +154,11 @@ def async_killed_then_resumed(tiny_assets, tmp_path_factory):
     The first also loses its engine (kill -9) in step 1's weight sync."""
     from tests import faults
     out = tmp_path_factory.mktemp("async") / "run"
-    # actor.ppo_epochs=2: a slowed trainer, so the manager runs ahead to the bound
+    # actor.ppo_epochs=2: a slowed trainer, so the manager runs ahead to the bound; the second
+    # epoch's ratios depart from 1 under verl's DPPO-TV loss (a row of algo/loss.py like any other)
     overrides = _overrides(tiny_assets, out, ASYNC_STEPS, **{"data.gen_batch_size": 6, "actor.ppo_epochs": 2,
-                                                             "rollout.max_engine_restarts": 1})
+                                                             "rollout.max_engine_restarts": 1,
+                                                             "actor.policy_loss": "dppo_tv"})
     args = [*doc_args("python -m dapo_megatron.main --config-name quickstart_async"), *overrides]
     cmd = [sys.executable, "-m", "dapo_megatron.main", *args]
     env = {k: v for k, v in os.environ.items() if k != faults.FAULTS_ENV}
@@ -188,6 +191,10 @@ def test_async_trains_no_token_older_than_max_staleness(async_killed_then_resume
     assert all(p == 0.0 or lag >= 1 for p, lag in zip(partial, lags)), (partial, lags)
     assert all(0.0 <= r["timing/engine_idle_frac"] <= 1.0 for r in rows)
     assert all("timing/trainer_wait" in r and "timing/sync_wait" not in r for r in rows)  # pushes do not drain
+    # DPPO-TV trained it: its share of tokens outside the trust region is its pg_clipfrac, and the
+    # dual clip's is not its (a row reports 0 for what it does not have)
+    assert all(0.0 <= r["actor/pg_clipfrac"] <= 1.0 and r["actor/pg_clipfrac_dual"] == 0.0 for r in rows)
+    assert "policy_loss: dppo_tv" in (async_killed_then_resumed[0] / "config.yaml").read_text()
 
 
 def test_async_killed_mid_update_resumes_with_every_prompt_trained_once(async_killed_then_resumed):

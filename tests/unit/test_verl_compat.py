@@ -94,6 +94,17 @@ TRANSLATED = [
     (["actor_rollout_ref.actor.policy_loss.loss_mode=cispo"], "actor.policy_loss", "cispo"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=gspo"], "actor.loss_agg_mode", "seq-mean-token-mean"),
     (["actor_rollout_ref.actor.policy_loss.loss_mode=vanilla"], "actor.policy_loss", "dapo"),
+    # verl's other registered losses: a row each, their keys on actor.policy_loss_params
+    *[([f"actor_rollout_ref.actor.policy_loss.loss_mode={m}", "+actor_rollout_ref.actor.policy_loss.dro_beta=0.1"],
+       "actor.policy_loss", m) for m in ("sapo", "geo_mean", "clip_cov", "kl_cov", "gpg", "dro", "dppo_tv", "dppo_kl")],
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo"], "actor.loss_agg_mode", "seq-mean-token-mean"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=geo_mean"], "actor.loss_agg_mode", "seq-mean-token-mean"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=sapo", "+actor_rollout_ref.actor.tau_neg=2.5"],
+     "actor.policy_loss_params.tau_neg", 2.5),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "+actor_rollout_ref.actor.policy_loss.clip_cov_ub=4.0"],
+     "actor.policy_loss_params.clip_cov_ub", 4.0),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov", "+actor_rollout_ref.actor.policy_loss.ppo_kl_coef=1.0"],
+     "actor.policy_loss_params.ppo_kl_coef", 1.0),
     (["data.train_files=/data/a.parquet"], "data.train_files", ["/data/a.parquet"]),  # verl takes one file bare
     (["actor_rollout_ref.actor.megatron.router_replay.mode=R2"], "actor.router_replay", "actor"),
     (["+actor_rollout_ref.actor.router_replay.mode=disabled"], "actor.router_replay", "off"),
@@ -287,7 +298,7 @@ REFUSED = [
      "actor.parallel.pp"),
     (["algorithm.rollout_correction.rollout_rs=seq_max_k1"], "actor.rollout_correction.rs"),
     (["algorithm.rollout_correction.rollout_is_batch_normalize=True"], "actor.rollout_correction"),
-    (["actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov"], "actor.policy_loss"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=flow_grpo"], "actor.policy_loss"),  # verl's, for diffusion
     (["algorithm.rollout_correction.loss_type=gpg", "algorithm.rollout_correction.bypass_mode=True"],
      "ppo_clip or reinforce"),
     (["actor_rollout_ref.model.lora_rank=8"], "LoRA"),
