@@ -263,15 +263,6 @@ def _lag_strategy(value: str) -> list[str]:
     return [f"trainer.stale_strategy={strategy}"]
 
 
-def _sync_every(key: str) -> Callable[[str], list[str]]:
-    def rule(value: str) -> list[str]:
-        if _number(_bare(value)) != 1:
-            raise ValueError(f"{key}={_bare(value)}: weights are pushed after every update here (the staleness "
-                             "bound is trainer.max_staleness); set it to 1 or drop it")
-        return []
-    return rule
-
-
 _FULLY_ASYNC = ("this key of verl's fully asynchronous recipe has no counterpart (the translated ones: "
                 "config/verl_fully_async.py); the asynchronous mode here is trainer.mode=async with "
                 "trainer.placement=split: trainer.max_staleness (policy versions a trained token may lag), "
@@ -315,7 +306,6 @@ VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     "trainer.use_v1": lambda v: [],  # which loop verl runs; ours is trainer.mode (v1.trainer_mode's)
     "trainer.v1.sampler.max_off_policy_threshold": _lag_bound,
     "trainer.v1.sampler.max_off_policy_strategy": _lag_strategy,
-    "trainer.v1.separate_async.parameter_sync_step": _sync_every("trainer.v1.separate_async.parameter_sync_step"),
 }
 # Rules whose outcome must win over a key they override (Hydra keeps the last value).
 LATE = (_RO + "val_kwargs.do_sample", "data.filter_overlong_prompts", "rollout.test_freq",
@@ -533,8 +523,30 @@ def _added_key(item: str, outcome: Outcome) -> Outcome:
 
 
 _BYPASS_LOSS = ("algorithm.rollout_correction.loss_type", "algorithm.rollout_correction.use_policy_gradient")
+_SYNC_STEP = "trainer.v1.separate_async.parameter_sync_step"
 _CROSS_KEYS = ("custom_reward_function.path", "custom_reward_function.name", "algorithm.use_kl_in_reward",
-               "algorithm.rollout_correction.rollout_is_threshold", _A + "megatron.optimizer_offload", *_BYPASS_LOSS)
+               "algorithm.rollout_correction.rollout_is_threshold", _A + "megatron.optimizer_offload", *_BYPASS_LOSS,
+               _SYNC_STEP)
+
+
+def _sync_step(key: str, value: str, values: dict[str, str]) -> Outcome:
+    """verl V1's separate_async trains each of a step's parameter_sync_step mini-batches as soon as
+    it can be sampled and pushes after the last; its invariant is data.train_batch_size =
+    parameter_sync_step x ppo_mini_batch_size (docs/advance/v1_async_trainer.md): our streamed
+    mini-batches."""
+    k = _number(_bare(value))
+    if k == 1:
+        return Outcome(key, value, "accepted", reason="one mini-batch a push: a step here")
+    batch, mini = (_number(values.get(name, "x")) for name in ("data.train_batch_size", _A + "ppo_mini_batch_size"))
+    if k is None or k < 1 or k != int(k) or batch is None or mini is None or batch != k * mini:
+        return Outcome(key, value, "refused", reason=(
+            f"{key}={_bare(value)}: verl V1 trains data.train_batch_size = parameter_sync_step x "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size prompts a push (got {values.get('data.train_batch_size')} "
+            f"and {values.get(_A + 'ppo_mini_batch_size')}); give both so that they agree"))
+    return Outcome(key, value, "translated", ("trainer.stream_minibatches=true",), reason=(
+        "each mini-batch trains as its groups are in, the push after the last (verl keeps the step's first "
+        "weights as pi_old; here each mini-batch's proximal policy is the weights before its step, with the "
+        "decoupled correction)"))
 
 
 def _cross_key(key: str, value: str, values: dict[str, str]) -> Outcome:
@@ -559,6 +571,8 @@ def _cross_key(key: str, value: str, values: dict[str, str]) -> Outcome:
         band = "_" in v  # "lower_upper": IcePop's band, tokens outside it masked
         return Outcome(key, value, "translated",
                        tuple(_threshold(f"{_RC}is_threshold", v)) + ((f"{_RC}is_mode=mask",) if band else ()))
+    if key == _SYNC_STEP:
+        return _sync_step(key, value, values)
     if key in _BYPASS_LOSS:
         bypass = _is_true(values.get("algorithm.rollout_correction.bypass_mode", "false")) or \
             _bare(values.get(_A + "policy_loss.loss_mode", "")).lower() == "bypass_mode"
