@@ -128,9 +128,11 @@ class Trainer(Moments):
         as its groups are in, while the engines finish the others; the push after the last."""
         request = self.pending.popleft() if self.pending else self._request(self.step + 1)
         updates, logprobs, tokens, partition, batch, rollout_metrics = [], [], [], None, None, {}
+        taken = 0
         try:
             for k, ref in enumerate(request.refs):
                 part, rollout_metrics, batch = self.take_part(request, k)
+                taken = k + 1
                 if part is None:
                     continue
                 if not updates:
@@ -141,6 +143,11 @@ class Trainer(Moments):
                 updates.append(update)
                 logprobs.append(lp_metrics)
                 tokens.append(sum(part.sequence_lengths))
+        except Exception:
+            if partition is not None and taken < len(request.refs):  # streamed: the collection still
+                with contextlib.suppress(Exception):  # writes into the partition; it goes once done
+                    wait_manager(self, request.last, get=False)
+            raise
         finally:  # the step's rows, consumed (or failed); what the data plane still holds
             if partition is not None:
                 resident = roles.get("rollout manager", self.ctx.manager.release.remote(partition))

@@ -208,3 +208,25 @@ def test_admission_by_running_responses_fills_the_engines_slots(in_process_ray, 
         runs[admission] = (sum(r["sim/concurrency"] for r in rows) / len(rows), max(seen))
     assert runs["responses"][1] <= 16 == runs["groups"][1], runs  # 4 groups of 4 at most
     assert runs["responses"][0] > 1.2 * runs["groups"][0], runs
+
+
+def test_a_streamed_step_that_fails_releases_its_rows_after_its_collection(in_process_ray, monkeypatch):
+    """The first mini-batch's update fails (a rank died): the step's collection is still writing
+    into its partition, so the trainer releases the partition only once the collection is done."""
+    sim = _load("async_sim")
+    monkeypatch.setattr(sim.SimTrain, "step_update", lambda self, step, first=True: (_ for _ in ()).throw(
+        RuntimeError("the rank died")))
+    released = []  # (partition, whether its step's collection was still running)
+    release = sim.SimManager.release
+
+    def recorded(self, partition):
+        released.append((partition, bool(self.streams)))
+        return release(self, partition)
+    recorded.__ray_concurrency_group__ = release.__ray_concurrency_group__  # beside the collecting calls, as Ray runs it
+    monkeypatch.setattr(sim.SimManager, "release", recorded)
+    cluster = dataclasses.replace(_tiny(sim), length_median=100.0, length_sigma=0.8,
+                                  overrides=(*_tiny(sim).overrides, "actor.ppo_mini_batch_size=1",
+                                             "data.max_response_length=400", "algorithm.filter_groups.enable=false"))
+    with pytest.raises(RuntimeError, match="the rank died"):
+        sim.simulate(cluster, [*sim.MODES["sync"], "trainer.stream_minibatches=true"], 1, 10.0, 1)
+    assert released == [("step1-1", False)], released
