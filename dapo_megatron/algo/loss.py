@@ -130,17 +130,17 @@ def _cispo(log_ratio, logprobs, advantages, mask, low, high, clip_c, params):
     return -advantages * weight * lp, metrics
 
 
+def _zero_clips(like: torch.Tensor) -> dict:
+    """The clip fractions of a row that has no such clip."""
+    zero = torch.zeros((), device=like.device, dtype=like.dtype)
+    return {"pg_clipfrac": zero, "pg_clipfrac_lower": zero, "pg_clipfrac_dual": zero}
+
+
 def _reinforce(log_ratio, logprobs, advantages, mask, low, high, clip_c, params):
     """REINFORCE: -A * log pi, no ratio and no clip (verl's bypass-mode loss_type=reinforce). Its
     importance weight pi / pi_rollout is the row's correction, taken against the current policy."""
     lp = torch.where(mask, logprobs, torch.zeros_like(logprobs))
-    zero = torch.zeros((), device=logprobs.device)
-    return -advantages * lp, {"pg_clipfrac": zero, "pg_clipfrac_lower": zero, "pg_clipfrac_dual": zero}
-
-
-def _zero_clips(like: torch.Tensor) -> dict:
-    zero = torch.zeros((), device=like.device, dtype=like.dtype)
-    return {"pg_clipfrac": zero, "pg_clipfrac_lower": zero, "pg_clipfrac_dual": zero}
+    return -advantages * lp, _zero_clips(logprobs)
 
 
 def _sapo(log_ratio, logprobs, advantages, mask, low, high, clip_c, params):
@@ -167,9 +167,9 @@ def _geo_mean(log_ratio, logprobs, advantages, mask, low, high, clip_c, params):
     pessimistic = sgn * torch.minimum(sgn * log_ratio, sgn * clamped)
     seq = -_masked_row_mean(adv, mask) * torch.exp(_masked_row_mean(pessimistic, mask))  # [B, 1]
     clipped = (log_ratio != clamped).float()
-    return seq.expand_as(log_ratio), {"pg_clipfrac": masked_mean(clipped * (adv > 0), mask),
-                                      "pg_clipfrac_lower": masked_mean(clipped * (adv < 0), mask),
-                                      "pg_clipfrac_dual": torch.zeros((), device=adv.device, dtype=adv.dtype)}
+    metrics = _zero_clips(adv)
+    metrics.update(pg_clipfrac=masked_mean(clipped * (adv > 0), mask), pg_clipfrac_lower=masked_mean(clipped * (adv < 0), mask))
+    return seq.expand_as(log_ratio), metrics
 
 
 def _clip_cov(log_ratio, logprobs, advantages, mask, low, high, clip_c, params):
@@ -270,26 +270,25 @@ class PolicyLoss:
     # One loss per sequence: the correction's token weights enter as their geometric mean over the
     # sequence (GMPO), not token by token.
     sequence_weight: bool = False
-    paper: str = ""
 
 
 # actor.policy_loss -> its row. The clip ratios are actor.clip_ratio_low / _high in every row
 # (GSPO's paper uses ~3e-4 / 4e-4 on its sequence ratio); the dual clip (clip_ratio_c) is DAPO's.
 POLICY_LOSSES: dict[str, PolicyLoss] = {
-    "dapo": PolicyLoss(_dapo, None, paper="arXiv 2503.14476"),
-    "gspo": PolicyLoss(_gspo, "seq-mean-token-mean", paper="arXiv 2507.18071"),
-    "gspo_token": PolicyLoss(_gspo_token, None, paper="arXiv 2507.18071"),
-    "cispo": PolicyLoss(_cispo, None, paper="arXiv 2506.13585"),
+    "dapo": PolicyLoss(_dapo, None),
+    "gspo": PolicyLoss(_gspo, "seq-mean-token-mean"),
+    "gspo_token": PolicyLoss(_gspo_token, None),
+    "cispo": PolicyLoss(_cispo, None),
     "reinforce": PolicyLoss(_reinforce, None, weighs_current=True),
     # verl's other registered losses (verl/trainer/ppo/core_algos.py), its loss_mode names
-    "sapo": PolicyLoss(_sapo, "seq-mean-token-mean", paper="arXiv 2511.20347"),
-    "geo_mean": PolicyLoss(_geo_mean, "seq-mean-token-mean", sequence_weight=True, paper="arXiv 2507.20673"),
-    "clip_cov": PolicyLoss(_clip_cov, None, paper="arXiv 2505.22617"),
-    "kl_cov": PolicyLoss(_kl_cov, None, paper="arXiv 2505.22617"),
-    "gpg": PolicyLoss(_reinforce, None, paper="arXiv 2504.02546"),  # -A log pi; its correction against pi_old
+    "sapo": PolicyLoss(_sapo, "seq-mean-token-mean"),
+    "geo_mean": PolicyLoss(_geo_mean, "seq-mean-token-mean", sequence_weight=True),
+    "clip_cov": PolicyLoss(_clip_cov, None),
+    "kl_cov": PolicyLoss(_kl_cov, None),
+    "gpg": PolicyLoss(_reinforce, None),  # -A log pi; its correction against pi_old
     "dro": PolicyLoss(_dro, None),
-    "dppo_tv": PolicyLoss(_dppo(_total_variation), None, paper="arXiv 2602.04879"),
-    "dppo_kl": PolicyLoss(_dppo(_binary_kl), None, paper="arXiv 2602.04879"),
+    "dppo_tv": PolicyLoss(_dppo(_total_variation), None),
+    "dppo_kl": PolicyLoss(_dppo(_binary_kl), None),
 }
 
 

@@ -161,7 +161,8 @@ def _check_algorithm(cfg: DapoConfig) -> None:
     needs = POLICY_LOSSES[a.policy_loss].agg
     _require(needs is None or a.loss_agg_mode == needs, "actor.loss_agg_mode",
              f"actor.policy_loss={a.policy_loss} is a sequence-level objective: set actor.loss_agg_mode={needs} "
-             f"(got {a.loss_agg_mode}), or actor.policy_loss=gspo_token for its token form")
+             f"(got {a.loss_agg_mode})" + (", or actor.policy_loss=gspo_token for its token form"
+                                           if a.policy_loss == "gspo" else ""))
     _check_loss_params(a)
     _check_correction(a.rollout_correction)
     if a.old_logprobs == "rollout":

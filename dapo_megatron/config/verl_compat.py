@@ -158,13 +158,14 @@ def _max_positions(value: str) -> list[str]:
 _RC = "actor.rollout_correction."
 # verl's first rejection API named the aggregation alone and bounded the ratio: our k1 criteria.
 _OLD_RS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
-_LOSS_MODES = {"vanilla": ["actor.policy_loss=dapo"], "cispo": ["actor.policy_loss=cispo"],
+# verl's loss_mode -> the row of that name, with the aggregation it is defined with said aloud (verl
+# forces seq-mean-token-mean on GSPO, its token form, and SAPO, and averages GMPO's sequences)
+_LOSS_MODES = {"vanilla": ["actor.policy_loss=dapo"],
                "bypass_mode": ["actor.policy_loss=dapo", "actor.old_logprobs=rollout"],  # its ppo_clip form
-               # verl runs its GSPO (the token form) with seq-mean-token-mean forced: our gspo, said aloud
-               "gspo": ["actor.policy_loss=gspo", "actor.loss_agg_mode=seq-mean-token-mean"],
-               # verl forces seq-mean-token-mean on SAPO and averages GMPO's sequences whatever the mode
-               **{m: [f"actor.policy_loss={m}", "actor.loss_agg_mode=seq-mean-token-mean"] for m in ("sapo", "geo_mean")},
-               **{m: [f"actor.policy_loss={m}"] for m in ("clip_cov", "kl_cov", "gpg", "dro", "dppo_tv", "dppo_kl")}}
+               **{m: [f"actor.policy_loss={m}", *([f"actor.loss_agg_mode={POLICY_LOSSES[m].agg}"]
+                                                   if POLICY_LOSSES[m].agg else [])]
+                  for m in ("gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov", "gpg", "dro", "dppo_tv",
+                            "dppo_kl")}}
 
 
 def _is_null(value: str) -> bool:

@@ -159,7 +159,8 @@ class Trainer(Moments):
             metrics["timing/stream_overlap"] = max(0.0, collected_at - first_update)
         metrics.update(self.sync())
         metrics.update(rollout_metrics, **join_parts(logprobs))
-        self._advantages(batch)
+        if not batch.advantages:  # streamed: the whole batch's, for its metrics (a part's are its own)
+            self._advantages(batch)
         metrics.update(batch_metrics(batch, metrics, resident))
         return metrics
 

@@ -99,7 +99,7 @@ class Stream:
         self.queued: deque[PromptItem] = deque()
         self.in_flight: dict[str, tuple[int, PromptItem]] = {}  # request id -> (engine, item)
         self.load = [0] * len(engines)  # groups in flight
-        self.running = [0] * len(engines)  # slots taken: n per group in flight, or its running responses
+        self.running = [0] * len(engines)  # by_responses: unfinished responses, as reported + n per group since
         self.progress = [time.monotonic()] * len(engines)  # an engine's last finished group (or first request)
         self.ids = itertools.count()
 
@@ -114,8 +114,8 @@ class Stream:
                 self.health.wait_alive()  # the driver is starting a replacement
             calls: dict[int, list] = {}
             while self.queued and len(self.in_flight) < limit:
-                e = min(self._alive(), key=self.running.__getitem__)  # least-loaded engine first
-                if self.running[e] + self.sampling.n > self.slots:
+                e = min(self._alive(), key=self._taken)  # least-loaded engine first
+                if self._taken(e) + self.sampling.n > self.slots:
                     break
                 item = self.queued.popleft()
                 rid = f"g{next(self.ids)}-p{item.index}"
@@ -123,7 +123,8 @@ class Stream:
                 if not self.load[e]:
                     self.progress[e] = time.monotonic()
                 self.load[e] += 1
-                self.running[e] += self.sampling.n
+                if self.by_responses:
+                    self.running[e] += self.sampling.n
                 calls.setdefault(e, []).append(self.engines[e].submit.remote(
                     rid, item.prompt, self.sampling, index=item.index, partition=self.tokens.store.partition))
             if len(self._answers(calls)) == len(calls):
@@ -150,8 +151,6 @@ class Stream:
             for group in results:
                 _, item = self.in_flight.pop(group.request_id)
                 self.load[e] -= 1
-                if not self.by_responses:
-                    self.running[e] -= self.sampling.n
                 done.append((item, group))
             if self.by_responses:
                 self.running[e] = min(self.running[e], self.load[e] * self.sampling.n)
@@ -183,6 +182,10 @@ class Stream:
             except ray.exceptions.GetTimeoutError:
                 self.health.hung(e, limit, self._requeue(e))
         return out
+
+    def _taken(self, e: int) -> int:
+        """Engine e's slots in use: n per group in flight, or its unfinished responses (by_responses)."""
+        return self.running[e] if self.by_responses else self.load[e] * self.sampling.n
 
     def _requeue(self, engine: int) -> int:
         """A dead engine's in-flight prompts back to the front of the queue; returns how many."""
