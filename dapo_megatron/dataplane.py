@@ -12,6 +12,12 @@ controller and SimpleStorage units (Ray actors, ZMQ between processes), through 
 Values are stored per `batch.FIELDS` row: sample fields as [n] tensors, sequence / token /
 position fields as jagged nested tensors of each response's own length (token fields unpadded),
 so nothing is padded or stored twice; `read_batch` turns a rank's rows back into a RolloutBatch.
+
+Two layouts (trainer.layout): `full` gives the controller and each storage unit a Ray actor of
+its own (TransferQueue's own start, for runs over several nodes); `lean` (the default on one node)
+hosts them in the starting process, the rollout manager's, as objects whose ZMQ servers run on
+threads of their own: two processes fewer (~0.6 GB and ~11 CPU-s of start-up each run), the same
+client calls. Clients then read the data plane's addresses from that process's named actor.
 """
 from __future__ import annotations
 
@@ -46,24 +52,38 @@ def _transfer_queue():
     return tq
 
 
-def ray_cpus(cfg) -> int:
+def ray_cpus(cfg, here: bool = False) -> int:
     """Ray CPUs the data plane's actors ask for (controller + storage units, mostly idle on ZMQ):
-    a local Ray is started advertising these on top of the machine's cores."""
-    return 1 + cfg.storage_units
+    a local Ray is started advertising these on top of the machine's cores. None when `here`
+    (the lean layout: no actor of its own)."""
+    return 0 if here else 1 + cfg.storage_units
 
 
 @dataclass(frozen=True)
 class Handle:
-    """What a process needs to reach the data plane (picklable; the controller is a named actor)."""
+    """What a process needs to reach the data plane (picklable). `host`: the named Ray actor whose
+    process hosts it (the lean layout) and answers `data_plane_config()`; "" : TransferQueue's own
+    named controller (the full layout)."""
     backend: str = "transfer_queue"
+    host: str = ""
 
 
-def start(cfg) -> Handle:
-    """Start the controller and storage units (once, by the rollout manager, after Ray is up)."""
+_HOSTED: dict = {}  # the lean layout's host: "conf" (what clients attach with), "units" (storage units)
+
+
+def hosted_config():
+    """The hosting process's TransferQueue config (the controller's and units' ZMQ addresses):
+    what `data_plane_config()` of the host actor returns to a client attaching."""
+    return _HOSTED["conf"]
+
+
+def start(cfg, here: bool = False) -> Handle:
+    """Start the controller and storage units (once, by the rollout manager, after Ray is up):
+    as Ray actors of their own, or `here`, in this process (the lean layout)."""
     import ray
     # TransferQueue's actors wait forever for CPUs the cluster does not have: say so instead.
     free = ray.available_resources().get("CPU", 0)
-    if free < ray_cpus(cfg):
+    if free < ray_cpus(cfg, here):
         raise RuntimeError(
             f"the data plane needs {ray_cpus(cfg)} free Ray CPUs (its controller and data_plane.storage_units="
             f"{cfg.storage_units} storage units) and the cluster has {free:g}: start Ray with more "
@@ -78,31 +98,72 @@ def start(cfg) -> Handle:
         pass
     import transfer_queue.interface as tq_state
     tq_state._TQ_CLIENT = tq_state._TQ_STORAGE = tq_state._TQ_CONTROLLER = None
-    _CLIENTS.clear()
+    _forget_hosted()
     # TransferQueue pins its storage units round-robin to the cluster's alive nodes; a head started
     # with no CPU (`ray start --head --num-cpus=0`) could take one it never schedules: only nodes
     # with CPUs are eligible.
     simple = {"num_data_storage_units": cfg.storage_units, "required_node_resource": "CPU"}
     if cfg.capacity:
         simple["total_storage_size"] = cfg.capacity
-    tq.init({"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": simple}})
+    conf = {"backend": {"storage_backend": "SimpleStorage", "SimpleStorage": simple}}
+    if here:
+        _host_here(tq_state, conf)
+    else:
+        tq.init(conf)
     return Handle(cfg.backend)
 
 
-def start_in_background(cfg) -> Future:
+def _host_here(tq_state, user_conf: dict) -> None:
+    """What `tq.init` does, with the controller and storage units built in this process from the
+    classes under TransferQueue's Ray decorators (their servers are ZMQ sockets on threads; Ray
+    only started them): the same config, addresses and client, no process of their own."""
+    from importlib import resources
+    from uuid import uuid4
+
+    from omegaconf import OmegaConf
+    conf = OmegaConf.merge(OmegaConf.create({}, flags={"allow_objects": True}),
+                           OmegaConf.load(resources.files("transfer_queue") / "config.yaml"), user_conf)
+    controller = _unwrapped(tq_state.TransferQueueController)(
+        sampler=getattr(tq_state, conf.controller.sampler), polling_mode=conf.controller.polling_mode)
+    conf.controller.zmq_info = controller.get_zmq_server_info()
+    simple = dict(conf.backend.SimpleStorage, _run_id=uuid4().hex)
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
+    units = {f"TransferQueueStorageUnit#{i}": _unwrapped(SimpleStorageUnit)(config=simple)
+             for i in range(simple["num_data_storage_units"])}
+    conf.backend.SimpleStorage.zmq_info = {name: unit.get_zmq_server_info() for name, unit in units.items()}
+    controller.store_config(conf)
+    _HOSTED.update(conf=conf, controller=controller, units=units)
+    tq_state._maybe_create_tq_client(conf)
+
+
+def _unwrapped(actor_class):
+    """The class a `@ray.remote` decorated (Ray keeps it as the actor's original class)."""
+    return actor_class.__ray_metadata__.modified_class.__ray_actor_class__
+
+
+def start_in_background(cfg, here: bool = False) -> Future:
     """`start` in a thread of its own, while the caller goes on with its own start-up: the
     controller and then the storage units start in processes of their own (~8 s on 2 cores, waited
     on by TransferQueue's init). TransferQueue is imported first, on the caller's thread: two
     threads importing the same packages at once can deadlock on Python's import locks."""
     _transfer_queue()
     pool = ThreadPoolExecutor(1, thread_name_prefix="data-plane-start")
-    future = pool.submit(start, cfg)
+    future = pool.submit(start, cfg, here)
     pool.shutdown(wait=False)
     return future
 
 
 def stop() -> None:
     _transfer_queue().close()
+    _forget_hosted()
+
+
+def _forget_hosted() -> None:
+    """Our clients dropped, and the storage units this process hosts stopped (the controller's
+    threads are daemons: they go with the process)."""
+    for unit in _HOSTED.pop("units", {}).values():
+        unit.shutdown()
+    _HOSTED.clear()
     _CLIENTS.clear()
 
 
@@ -116,6 +177,21 @@ def connect(handle: Handle) -> "DataPlane":
     return _CLIENTS[handle]
 
 
+def attach(handle: Handle):
+    """TransferQueue with this process's client attached: to the host actor's data plane (lean; the
+    host itself attached when it started), else to TransferQueue's named controller."""
+    tq = _transfer_queue()
+    import transfer_queue.interface as tq_state
+    if tq_state._TQ_CLIENT is None:
+        if handle.host:
+            import ray
+            conf = ray.get(ray.get_actor(handle.host).data_plane_config.remote())
+            tq_state._maybe_create_tq_client(conf)
+        else:
+            tq.init()
+    return tq
+
+
 def _nbytes(value) -> int:
     return value.numel() * value.element_size() if isinstance(value, torch.Tensor) else 0
 
@@ -124,7 +200,7 @@ class DataPlane:
     """put / get / clear rows by key within a partition; counts the bytes this process moved."""
 
     def __init__(self, handle: Handle):
-        self._client = None
+        self._handle, self._client = handle, None
         self.bytes_put = self.bytes_get = 0
 
     @property
@@ -133,8 +209,7 @@ class DataPlane:
         roles are created while the rollout manager still starts the controller and units, so
         the start-ups overlap (~5 s of a quickstart's start on 2 cores)."""
         if self._client is None:
-            self._client = _transfer_queue()
-            self._client.init()
+            self._client = attach(self._handle)
         return self._client
 
     def put(self, partition: str, keys: Sequence[str], rows: Sequence[dict], writer: str) -> int:

@@ -139,7 +139,8 @@ def _start_local_ray() -> None:
     e2e = str(Path(__file__).parent / "e2e")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (e2e, saved.get("PYTHONPATH")) if p)
     try:
-        init_ray(load_config("quickstart", ["data_plane.storage_units=2"]))
+        # CPUs for the full layout's data plane too: test_data_plane starts one in the test process
+        init_ray(load_config("quickstart", ["data_plane.storage_units=2", "trainer.layout=full"]))
     finally:
         os.environ.clear()
         os.environ.update(saved)

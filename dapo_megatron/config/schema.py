@@ -269,6 +269,10 @@ class TrainerConfig:
     n_gpus_per_node: int = 8  # accelerators (or CPU ranks) per node
     device: str = "auto"  # auto | cuda | npu | cpu
     placement: str = "colocated"  # colocated | split
+    # The run's processes. lean: the data plane's controller and storage units live in the rollout
+    # manager's process (two processes fewer); full: a Ray actor each, TransferQueue's own layout,
+    # which spreads them over nodes. auto: lean on one node (nnodes=1), full on several.
+    layout: str = "auto"
     # sync: generation and training take turns (the recipe). one_step_off: the batch of step k + 1
     # is generated with the weights of step k - 1 while step k trains (split placement). async:
     # the rollout manager generates up to max_staleness batches ahead; weights are pushed while it
@@ -313,6 +317,11 @@ class TrainerConfig:
     # the driver cannot see one (a CPU head node) or for another part; 0: ask the device.
     device_memory_gb: float = 0.0
     skip_memory_check: bool = False  # start anyway (a warning) when the plan says it does not fit
+
+    @property
+    def lean(self) -> bool:
+        """The lean process layout (trainer.layout, auto: one node)."""
+        return self.layout == "lean" or (self.layout == "auto" and self.nnodes == 1)
 
     @property
     def carries_in_flight(self) -> bool:

@@ -27,6 +27,7 @@ KeyFn = Callable[[str], str]  # a degree's name ("tp") -> the key a user changes
 CHOICES: dict[str, tuple] = {
     "trainer.device": ("auto", "cuda", "npu", "cpu"),
     "trainer.placement": ("colocated", "split"),
+    "trainer.layout": ("auto", "lean", "full"),
     "trainer.mode": ("sync", "one_step_off", "async"),
     "trainer.stale_strategy": ("drop", "wait"),
     "rollout.admission": ("groups", "responses"),

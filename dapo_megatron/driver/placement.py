@@ -93,9 +93,10 @@ def init_ray(cfg: DapoConfig) -> None:
                   f"(RAY_ADDRESS=local: a Ray of this run's own)", flush=True)
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
     else:
-        # The data plane's controller and storage units ask a CPU each and mostly wait on ZMQ:
-        # advertise them on top of the cores, or on a small machine they never get scheduled.
-        cpus = max(os.cpu_count() or 1, cfg.trainer.n_gpus_per_node) + dataplane.ray_cpus(cfg.data_plane)
+        # The data plane's controller and storage units (full layout) ask a CPU each and mostly wait
+        # on ZMQ: advertise them on top of the cores, or on a small machine they never get scheduled.
+        cpus = (max(os.cpu_count() or 1, cfg.trainer.n_gpus_per_node)
+                + dataplane.ray_cpus(cfg.data_plane, here=cfg.trainer.lean))
         os.environ.update(dataplane.process_env())  # local Ray's workers inherit the driver's environment
         # WARNING: Ray's own start-up INFO lines are not for the console.
         # No task events: Ray's GCS kept up to 100k of them (~80 kB of memory a step here) for a

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import uuid
 import warnings
 from dataclasses import dataclass
 from functools import partial
@@ -113,10 +114,12 @@ def prepare(cfg: DapoConfig) -> Context:
     init_ray(cfg)
     # The roles first; the manager starts the data plane while the others start (they attach to
     # it on first use, after the manager's first batch): their imports and the controller's overlap.
-    handle = dataplane.Handle(cfg.data_plane.backend)
+    # The lean layout hosts the data plane in the manager's process: clients find it by its name.
+    host = f"rollout-manager-{uuid.uuid4().hex[:8]}" if cfg.trainer.lean else ""
+    handle = dataplane.Handle(cfg.data_plane.backend, host=host)
     placement = place(cfg, model_path, spec, cfg.data.max_prompt_length + cfg.data.max_response_length,
                       tokenizer_path=tokenizer_dir, data_plane=handle)
-    manager = manager_actor().options(**beside_driver()).remote(
+    manager = manager_actor().options(**beside_driver(), **({"name": host} if host else {})).remote(
         _absolute_custom_fn(cfg), placement.engines, tokenizer_dir, handle, train_data, val_data, stop_token_ids(tokenizer),
         log_path=log_file(cfg.trainer.default_local_dir, "rollout-manager"), start_data_plane=True)
     return Context(cfg, model_path, spec, tokenizer, placement, manager, cfg.trainer.default_local_dir, total)

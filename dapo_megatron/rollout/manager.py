@@ -49,9 +49,10 @@ CONCURRENCY_GROUPS = {"health": 2, "control": 1}
 class RolloutManager:
     """engines: engine actor handles; tokenizer_path: what the reward worker decodes with;
     data_plane: a `dataplane.Handle`; log_path: where this process's library output goes (the
-    run's logs/ folder). `start_data_plane`: the manager starts the data plane (cfg.data_plane)
-    and stops it at `shutdown`: the store of the rows it produces lives with it, and the driver
-    never imports TransferQueue (its tensordict pulls in torch._dynamo: ~0.15 GB a process)."""
+    run's logs/ folder). `start_data_plane`: the manager starts the data plane (cfg.data_plane;
+    in its own process in the lean layout, trainer.layout) and stops it at `shutdown`: the store
+    of the rows it produces lives with it, and the driver never imports TransferQueue (its
+    tensordict pulls in torch._dynamo: ~0.15 GB a process)."""
 
     def __init__(self, cfg: DapoConfig, engines: list, tokenizer_path: str, data_plane: dataplane.Handle,
                  train_data: PromptDataset, val_data: Optional[PromptDataset], stop_token_ids: tuple[int, ...],
@@ -60,7 +61,8 @@ class RolloutManager:
         self.owns_plane = start_data_plane
         # The tokenizer and the reward pool load while the data plane's processes start: the
         # manager is the last role ready in a quickstart's start-up (the clients attach lazily).
-        plane_up = dataplane.start_in_background(cfg.data_plane) if start_data_plane else None
+        plane_up = (dataplane.start_in_background(cfg.data_plane, here=bool(data_plane.host))
+                    if start_data_plane else None)
         self.reward = RewardWorker(cfg, tokenizer_path, data_plane)
         scorer = RewardScorer(self.reward, cfg.algorithm.filter_groups.metric)
         self._start(cfg, engines, dataplane.connect(data_plane), scorer, train_data, val_data, stop_token_ids)
@@ -257,6 +259,12 @@ class RolloutManager:
         """A started replacement, holding the current weights, takes the dead engine's place;
         `count`: a death the manager did not see (in the weight sync) counts as a restart."""
         self.health.replace(engine, handle, count)
+
+    @ray.method(concurrency_group="control")
+    def data_plane_config(self):
+        """The addresses of the data plane this process hosts (the lean layout): what a client
+        in another process attaches with (dataplane.attach)."""
+        return dataplane.hosted_config()
 
     @ray.method(concurrency_group="control")
     def pushed(self, version: int) -> None:

@@ -504,3 +504,58 @@ def test_a_new_fields_row_reaches_a_ranks_passes_with_no_other_edit(plane_env, m
     assert update.advantages.tolist() == [-0.5, -0.5] and update.responses[1].tolist() == list(range(5))
     assert 0 < plane.pop_counters()["bytes_get"] <= 10 * 4 * 1.1 < logprob_pass  # only the new column
     plane.clear("new")
+
+
+class LeanHost:
+    """The lean layout's host (trainer.layout=lean: the rollout manager's part in it): the data
+    plane started in this actor's own process, its addresses served to clients that attach."""
+
+    def __init__(self, storage_units: int):
+        from dapo_megatron import dataplane
+        from dapo_megatron.config.schema import DataPlaneConfig
+        dataplane.start(DataPlaneConfig(storage_units=storage_units), here=True)
+
+    def data_plane_config(self):
+        from dapo_megatron import dataplane
+        return dataplane.hosted_config()
+
+    def listening(self) -> set[int]:
+        import psutil
+        return {c.laddr.port for c in psutil.Process().net_connections() if c.status == psutil.CONN_LISTEN}
+
+    def read(self, handle, keys):
+        from dapo_megatron import dataplane
+        return [r["responses"].tolist() for r in dataplane.connect(handle).get("lean", keys, ["responses"])]
+
+
+class PlaneClient:
+    def put(self, handle, keys, lengths):
+        from dapo_megatron import dataplane
+        return dataplane.connect(handle).put("lean", keys, [{"responses": list(range(n))} for n in lengths],
+                                             writer="client")
+
+
+def test_the_lean_layout_hosts_the_controller_and_storage_units_in_one_process(local_ray):
+    """trainer.layout=lean: TransferQueue's controller and both storage units serve from the host's
+    own process (their ports are its), no actor of TransferQueue's starts, and a client in another
+    process reaches them through the host's name, rows intact."""
+    import ray
+
+    from dapo_megatron import dataplane
+    def named() -> set[str]:
+        return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    before = named()
+    name = f"lean-host-{os.getpid()}"
+    host = ray.remote(num_cpus=0)(LeanHost).options(name=name).remote(2)
+    try:
+        handle = dataplane.Handle(host=name)
+        client = ray.remote(num_cpus=0)(PlaneClient).remote()
+        assert ray.get(client.put.remote(handle, ["x", "y"], [3, 301])) > 0
+        assert ray.get(host.read.remote(handle, ["y", "x"])) == [list(range(301)), [0, 1, 2]]
+        conf = ray.get(host.data_plane_config.remote())
+        units = conf.backend.SimpleStorage.zmq_info
+        ports = {*conf.controller.zmq_info.ports.values(), *(p for u in units.values() for p in u.ports.values())}
+        assert len(units) == 2 and ports <= ray.get(host.listening.remote()), (ports, units)
+        assert named() - before == {name}
+    finally:
+        ray.kill(host)

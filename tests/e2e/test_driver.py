@@ -614,8 +614,9 @@ def test_crashes_then_resume_lose_no_step_and_no_prompt(tp2_killed, tiny_assets,
     from dapo_megatron.driver.recovery import KEPT
     from dapo_megatron.main import main
     out = tp2_killed.out
+    # the multi-node layout (trainer.layout=full): TransferQueue's actors spread over the two nodes
     early_stop = {"algorithm.filter_groups.mode": "early_stop", "trainer.test_freq": 0, "trainer.max_restarts": 2,
-                  "rollout.max_engine_restarts": 1, "trainer.placement_timeout_s": 300}
+                  "rollout.max_engine_restarts": 1, "trainer.placement_timeout_s": 300, "trainer.layout": "full"}
     overrides = _overrides(tiny_assets, out, 4, **long_prompts, **TP2, **early_stop)
     job_id = f"crash-chain-{os.getpid()}"
 

@@ -234,6 +234,7 @@ def test_missing_config_lists_available():
 RULES = [
     (["trainer.device=tpu"], "trainer.device"),
     (["trainer.placement=scattered"], "trainer.placement"),
+    (["trainer.layout=minimal"], "trainer.layout"),
     (["trainer.logger=[console,mlflow]"], "trainer.logger"),
     (["actor.loss_agg_mode=sum"], "actor.loss_agg_mode"),
     (["actor.kl_loss_type=k9"], "actor.kl_loss_type"),
@@ -317,6 +318,22 @@ RULES = [
     (["trainer.n_gpus_per_node=4", "actor.parallel.ep=1", "actor.parallel.tp=1", "rollout.n=3",
       "actor.ppo_mini_batch_size=2", "data.train_batch_size=2", "data.gen_batch_size=2"], "actor.ppo_mini_batch_size"),
 ]
+
+
+@pytest.mark.parametrize("overrides,lean,extra_cpus", [
+    ([], True, 0),  # the quickstart: one node, the data plane in the rollout manager's process
+    (["trainer.nnodes=2"], False, 3),  # several nodes: TransferQueue's actors (controller + 2 units)
+    (["trainer.layout=full"], False, 3),  # one node with the multi-node layout (CI tests it so)
+    (["trainer.nnodes=2", "trainer.layout=lean"], True, 0),
+])
+def test_the_layout_sets_where_the_data_plane_runs(overrides, lean, extra_cpus):
+    """trainer.layout: what starts on one node and on several. The lean layout names the rollout
+    manager as the data plane's host and asks Ray for no CPU of its own; the full one starts the
+    controller and storage units as actors, each a CPU on top of the machine's."""
+    from dapo_megatron import dataplane
+    cfg = load_config("quickstart", ["data_plane.storage_units=2", *overrides])
+    assert cfg.trainer.lean is lean
+    assert dataplane.ray_cpus(cfg.data_plane, here=cfg.trainer.lean) == extra_cpus
 
 
 @pytest.mark.parametrize("overrides,key", RULES, ids=[r[1] + ":" + r[0][-1] for r in RULES])
