@@ -89,8 +89,10 @@ class Sampler(TreeSampler):
         self.peak = collections.defaultdict(float)  # pid -> peak PSS (MB)
         self.cpu: dict[int, float] = {}  # pid -> user + system seconds, last read
         self.peak_sum = 0.0
+        self.most = 0  # processes alive at once, at most
 
     def read(self, procs: list[psutil.Process]) -> None:
+        self.most = max(self.most, len(procs))
         total = 0.0
         for p in procs:
             mb = pss_mb(p.pid)
@@ -133,7 +135,7 @@ def measure(config: str, steps: int, layout: str, overrides: list[str]) -> dict:
     for pid, mb in sampler.peak.items():
         by_role[sampler.names[pid]].append(mb)
     return {"layout": layout, "wall_s": time.time() - t0, "peak_sum_mb": sampler.peak_sum,
-            "cpu_s": sum(sampler.cpu.values()), "processes": len(sampler.peak),
+            "cpu_s": sum(sampler.cpu.values()), "processes": sampler.most,
             "roles": {name: [len(mbs), sum(mbs)] for name, mbs in by_role.items()}}
 
 
@@ -152,7 +154,7 @@ def main() -> None:
     for layout in args.layouts:
         mine = sorted((r for r in runs if r["layout"] == layout), key=lambda r: r["peak_sum_mb"])
         chosen[layout] = mine[len(mine) // 2]
-    roles = sorted({name for r in chosen.values() for name in r["roles"]},
+    roles = sorted({name for r in chosen.values() for name, (_, mb) in r["roles"].items() if mb >= 1},
                    key=lambda n: -max(r["roles"].get(n, [0, 0])[1] for r in chosen.values()))
     rows = [[name] + [f"{round(r['roles'][name][1])}" + (f" ({r['roles'][name][0]})" if r["roles"][name][0] > 1 else "")
                       if name in r["roles"] else "-" for r in chosen.values()] for name in roles]
@@ -165,7 +167,7 @@ def main() -> None:
                     ["process", *(f"{layout} layout" for layout in chosen)], rows),
               Table("layouts", f"{with_what}: the run's processes by layout (trainer.layout); the median of "
                     f"{args.repeats} alternated run(s) each",
-                    ["layout", "processes", "peak PSS of the sum, GB", f"vs {args.layouts[0]}",
+                    ["layout", "processes at once, at most", "peak PSS of the sum, GB", f"vs {args.layouts[0]}",
                      "CPU-s, all processes", "wall s"], layout_rows)]
     for t in tables:
         print(f"\n{t.title}\n| " + " | ".join(t.columns) + " |\n|" + "---|" * len(t.columns))
