@@ -16,7 +16,7 @@ so nothing is padded or stored twice; `read_batch` turns a rank's rows back into
 Two layouts (trainer.layout): `full` gives the controller and each storage unit a Ray actor of
 its own (TransferQueue's own start, for runs over several nodes); `lean` (the default on one node)
 hosts them in the starting process, the rollout manager's, as objects whose ZMQ servers run on
-threads of their own: two processes fewer (~0.6 GB and ~11 CPU-s of start-up each run), the same
+threads of their own: two processes fewer (what that saves: bench/process_memory.py), the same
 client calls. Clients then read the data plane's addresses from that process's named actor.
 """
 from __future__ import annotations
@@ -54,7 +54,7 @@ def _transfer_queue():
 
 def ray_cpus(cfg, here: bool = False) -> int:
     """Ray CPUs the data plane's actors ask for (controller + storage units, mostly idle on ZMQ):
-    a local Ray is started advertising these on top of the machine's cores. None when `here`
+    a local Ray is started advertising these on top of the machine's cores. 0 when `here`
     (the lean layout: no actor of its own)."""
     return 0 if here else 1 + cfg.storage_units
 
@@ -79,7 +79,8 @@ def hosted_config():
 
 def start(cfg, here: bool = False) -> Handle:
     """Start the controller and storage units (once, by the rollout manager, after Ray is up):
-    as Ray actors of their own, or `here`, in this process (the lean layout)."""
+    as Ray actors of their own, or `here`, in this process (the lean layout). The handle returned
+    reaches the former; the latter's clients need one naming the host actor (`Handle.host`)."""
     import ray
     # TransferQueue's actors wait forever for CPUs the cluster does not have: say so instead.
     free = ray.available_resources().get("CPU", 0)
@@ -121,13 +122,13 @@ def _host_here(tq_state, user_conf: dict) -> None:
     from uuid import uuid4
 
     from omegaconf import OmegaConf
+    from transfer_queue.storage.simple_storage import SimpleStorageUnit
     conf = OmegaConf.merge(OmegaConf.create({}, flags={"allow_objects": True}),
                            OmegaConf.load(resources.files("transfer_queue") / "config.yaml"), user_conf)
     controller = _unwrapped(tq_state.TransferQueueController)(
         sampler=getattr(tq_state, conf.controller.sampler), polling_mode=conf.controller.polling_mode)
     conf.controller.zmq_info = controller.get_zmq_server_info()
     simple = dict(conf.backend.SimpleStorage, _run_id=uuid4().hex)
-    from transfer_queue.storage.simple_storage import SimpleStorageUnit
     units = {f"TransferQueueStorageUnit#{i}": _unwrapped(SimpleStorageUnit)(config=simple)
              for i in range(simple["num_data_storage_units"])}
     conf.backend.SimpleStorage.zmq_info = {name: unit.get_zmq_server_info() for name, unit in units.items()}
