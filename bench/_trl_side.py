@@ -4,7 +4,7 @@
 
 `GRPOTrainer(loss_type="dapo")` with HF generate on our tiny model, prompts and reward, with the
 settings vs_trl.py derived from our quickstart config. Writes OUT_DIR/steps.jsonl: one line per
-optimizer step with its seconds (step, gen_and_score, score) and mean reward.
+optimizer step with its seconds (step, gen_and_score, score), mean reward and mean completion length.
 """
 from __future__ import annotations
 
@@ -69,6 +69,7 @@ class StepLog(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "reward" in logs and state.global_step in self.rows:
             self.rows[state.global_step]["reward"] = logs["reward"]
+            self.rows[state.global_step]["length"] = logs["completions/mean_length"]
 
 
 def main() -> None:

