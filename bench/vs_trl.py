@@ -267,7 +267,7 @@ def plot(cells: list[dict], path: str) -> None:
     fig.savefig(path, dpi=90)
 
 
-def report(cells: list[dict], rounds: int, plot_path: str) -> None:
+def report(cells: list[dict], rounds: int, plot_path: str, plot_name: str) -> None:
     rows, phase_rows, lines = [], [], []
     for c in cells:
         least, most = c["target"]
@@ -313,7 +313,7 @@ def report(cells: list[dict], rounds: int, plot_path: str) -> None:
                   Table("phases", "The step by phase, s (medians; update: ours' old-log-prob pass, when it runs one, "
                         "and update)", ["model", "responses", "side", "step", "generation", "scoring", "update",
                                         "weight sync", "rest"], phase_rows), *tables],
-          plots=[plot_path], summary="; ".join(lines), extra={"notes": NOTES, "cells": cells})
+          plots=[plot_name], summary="; ".join(lines), extra={"notes": NOTES, "cells": cells})
 
 
 def main() -> None:
@@ -323,7 +323,7 @@ def main() -> None:
     p.add_argument("--lengths", nargs="+", default=list(LENGTHS), choices=list(LENGTHS))
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--steps", type=int, default=0, help="steps a run (0: per model, STEPS)")
-    p.add_argument("--plot", default=str(ROOT / "bench" / "plots" / "vs_trl.png"))
+    p.add_argument("--plot", default="bench/plots/vs_trl.png", help="relative to the repository's root")
     args = p.parse_args()
     models = ["1m"] if args.quick else args.models
     trl_python()  # the one-time install stays out of the first cell
@@ -350,7 +350,7 @@ def main() -> None:
                               "rate": ratio(runs, "responses/s"), "pss": ratio(runs, "pss_gb"),
                               "target": target(model, length),
                               "runs": [{"run": n, **s, "rows": rows} for n, s, rows in runs]})
-    report(cells, args.rounds, args.plot)
+    report(cells, args.rounds, str(ROOT / args.plot) if not os.path.isabs(args.plot) else args.plot, args.plot)
 
 
 if __name__ == "__main__":
