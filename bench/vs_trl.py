@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -127,14 +128,7 @@ def build_model(name: str, tmp: Path) -> str | None:
 def parameters(path: str) -> int:
     from safetensors import safe_open
     with safe_open(str(Path(path) / "model.safetensors"), "pt") as f:
-        return sum(_numel(f.get_slice(k).get_shape()) for k in f.keys())
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
 
 def trl_settings(cfg, steps: int) -> dict:

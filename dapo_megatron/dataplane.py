@@ -77,11 +77,12 @@ def hosted_config():
     return _HOSTED["conf"]
 
 
-def start(cfg, here: bool = False) -> Handle:
+def start(cfg, host: str = "") -> Handle:
     """Start the controller and storage units (once, by the rollout manager, after Ray is up):
-    as Ray actors of their own, or `here`, in this process (the lean layout). The handle returned
-    reaches the former; the latter's clients need one naming the host actor (`Handle.host`)."""
+    as Ray actors of their own, or, given `host` (this process's actor name), in this process
+    (the lean layout). Returns the handle that reaches them."""
     import ray
+    here = bool(host)
     # TransferQueue's actors wait forever for CPUs the cluster does not have: say so instead.
     free = ray.available_resources().get("CPU", 0)
     if free < ray_cpus(cfg, here):
@@ -111,7 +112,7 @@ def start(cfg, here: bool = False) -> Handle:
         _host_here(tq_state, conf)
     else:
         tq.init(conf)
-    return Handle(cfg.backend)
+    return Handle(cfg.backend, host)
 
 
 def _host_here(tq_state, user_conf: dict) -> None:
@@ -133,7 +134,7 @@ def _host_here(tq_state, user_conf: dict) -> None:
              for i in range(simple["num_data_storage_units"])}
     conf.backend.SimpleStorage.zmq_info = {name: unit.get_zmq_server_info() for name, unit in units.items()}
     controller.store_config(conf)
-    _HOSTED.update(conf=conf, controller=controller, units=units)
+    _HOSTED.update(conf=conf, controller=controller, units=units)  # the controller kept alive with them
     tq_state._maybe_create_tq_client(conf)
 
 
@@ -142,14 +143,14 @@ def _unwrapped(actor_class):
     return actor_class.__ray_metadata__.modified_class.__ray_actor_class__
 
 
-def start_in_background(cfg, here: bool = False) -> Future:
+def start_in_background(cfg, host: str = "") -> Future:
     """`start` in a thread of its own, while the caller goes on with its own start-up: the
     controller and then the storage units start in processes of their own (~8 s on 2 cores, waited
     on by TransferQueue's init). TransferQueue is imported first, on the caller's thread: two
     threads importing the same packages at once can deadlock on Python's import locks."""
     _transfer_queue()
     pool = ThreadPoolExecutor(1, thread_name_prefix="data-plane-start")
-    future = pool.submit(start, cfg, here)
+    future = pool.submit(start, cfg, host)
     pool.shutdown(wait=False)
     return future
 

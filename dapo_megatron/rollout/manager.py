@@ -61,8 +61,7 @@ class RolloutManager:
         self.owns_plane = start_data_plane
         # The tokenizer and the reward pool load while the data plane's processes start: the
         # manager is the last role ready in a quickstart's start-up (the clients attach lazily).
-        plane_up = (dataplane.start_in_background(cfg.data_plane, here=bool(data_plane.host))
-                    if start_data_plane else None)
+        plane_up = dataplane.start_in_background(cfg.data_plane, data_plane.host) if start_data_plane else None
         self.reward = RewardWorker(cfg, tokenizer_path, data_plane)
         scorer = RewardScorer(self.reward, cfg.algorithm.filter_groups.metric)
         self._start(cfg, engines, dataplane.connect(data_plane), scorer, train_data, val_data, stop_token_ids)

@@ -510,10 +510,13 @@ class LeanHost:
     """The lean layout's host (trainer.layout=lean: the rollout manager's part in it): the data
     plane started in this actor's own process, its addresses served to clients that attach."""
 
-    def __init__(self, storage_units: int):
+    def __init__(self, name: str, storage_units: int):
         from dapo_megatron import dataplane
         from dapo_megatron.config.schema import DataPlaneConfig
-        dataplane.start(DataPlaneConfig(storage_units=storage_units), here=True)
+        self.handle = dataplane.start(DataPlaneConfig(storage_units=storage_units), host=name)
+
+    def own_handle(self):
+        return self.handle
 
     def data_plane_config(self):
         from dapo_megatron import dataplane
@@ -546,9 +549,10 @@ def test_the_lean_layout_hosts_the_controller_and_storage_units_in_one_process(l
         return {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
     before = named()
     name = f"lean-host-{os.getpid()}"
-    host = ray.remote(num_cpus=0)(LeanHost).options(name=name).remote(2)
+    host = ray.remote(num_cpus=0)(LeanHost).options(name=name).remote(name, 2)
     try:
         handle = dataplane.Handle(host=name)
+        assert ray.get(host.own_handle.remote()) == handle  # what start returns reaches it
         client = ray.remote(num_cpus=0)(PlaneClient).remote()
         assert ray.get(client.put.remote(handle, ["x", "y"], [3, 301])) > 0
         assert ray.get(host.read.remote(handle, ["y", "x"])) == [list(range(301)), [0, 1, 2]]
