@@ -23,7 +23,8 @@ from dapo_megatron.algo import compute_grpo_advantages
 from dapo_megatron.config import DapoConfig
 from dapo_megatron.driver import setup
 from dapo_megatron.driver.colocate import TimeShare
-from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, batch_metrics, join_parts, staleness
+from dapo_megatron.driver.batches import Batches
+from dapo_megatron.driver.metrics import MetricsLogger, PhaseLog, batch_metrics, join_parts
 from dapo_megatron.driver.moments import Moments
 from dapo_megatron.driver.recovery import replace_lost_in_sync, replaces_in_sync, wait_manager
 from dapo_megatron.driver.weight_sync import sync_weights, verify_due
@@ -31,22 +32,8 @@ from dapo_megatron.driver.weight_sync import sync_weights, verify_due
 MAX_EMPTY_STEPS = 3  # consecutive steps whose generation rounds kept no group before giving up
 
 
-@dataclass(frozen=True)
-class Request:
-    """A batch asked of the rollout manager: one future per part it is handed over in (one: the
-    whole batch; trainer.stream_minibatches: a mini-batch each, the last with the whole batch) and
-    the step it is for."""
-    refs: tuple
-    step: int
-
-    @property
-    def last(self):
-        """The call that returns once the step's collection is done, with the whole batch."""
-        return self.refs[-1]
-
-
 @dataclass
-class Trainer(Moments):
+class Trainer(Moments, Batches):
     cfg: DapoConfig
     ctx: setup.Context  # the roles' handles (manager, ranks, engines), checkpoints, output dir
     logger: MetricsLogger
@@ -204,30 +191,6 @@ class Trainer(Moments):
         replace_lost_in_sync(self, lost or [])  # before the time share wakes every engine's KV cache
         self.share.after_sync(self)
         return metrics
-
-    def take_part(self, request: Request, k: int) -> tuple:
-        """Part `k` of the step's batch, and with the last part the rollout metrics and the whole
-        batch. sync: generated now, with the last step's weights. one_step_off / async: asked
-        trainer.batches_ahead steps ago, generated while earlier steps trained; the batches of the
-        next steps are asked once the first part is in, before it trains."""
-        ahead, streamed = self.cfg.trainer.batches_ahead, len(request.refs) > 1
-        with self.timed("trainer_wait" if ahead else "gen", [k] if streamed else ()):
-            part, metrics, batch = wait_manager(self, request.refs[k])
-        if k == 0:
-            asked = self.pending[-1].step if self.pending else request.step
-            for s in range(asked + 1, min(self.step + 1 + ahead, self.ctx.total_steps) + 1):
-                self.pending.append(self._request(s))
-        if batch is not None:
-            metrics.update(staleness(batch.versions, self.syncs, ahead, self.cfg.trainer.stale_share))
-            self.stale_responses += round(metrics["rollout/stale_share"] * len(batch))
-            metrics["rollout/stale_responses_total"] = float(self.stale_responses)
-        return part, metrics, batch
-
-    def _request(self, step: int) -> Request:
-        """Every part of step `step`'s batch asked at once: the manager's calls run in order."""
-        t, d = self.cfg.trainer, self.cfg.data
-        parts = t.parts(d.train_batch_size, self.cfg.actor.ppo_mini_batch_size)
-        return Request(tuple(self.ctx.manager.next_batch.remote(step, k, parts) for k in range(parts)), step)
 
     def evaluate(self) -> dict:
         """The rollout manager's validation (rollout.val_kwargs): val/acc overall and per source; an

@@ -1,0 +1,54 @@
+"""The step's batches, asked of the rollout manager and taken from it, as methods of the `Trainer`
+(driver/trainer.py, which takes them from `Batches`): sync asks for a step's batch when the step
+starts; one_step_off / async ask trainer.batches_ahead steps ahead, and a streamed step
+(trainer.stream_minibatches) takes its batch a mini-batch at a time.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dapo_megatron.driver.metrics import staleness
+from dapo_megatron.driver.recovery import wait_manager
+
+
+@dataclass(frozen=True)
+class Request:
+    """A batch asked of the rollout manager: one future per part it is handed over in (one: the
+    whole batch; trainer.stream_minibatches: a mini-batch each, the last with the whole batch) and
+    the step it is for."""
+    refs: tuple
+    step: int
+
+    @property
+    def last(self):
+        """The call that returns once the step's collection is done, with the whole batch."""
+        return self.refs[-1]
+
+
+class Batches:
+    """Asking and taking over the Trainer's fields (cfg, ctx, step, syncs, pending,
+    stale_responses) and its `timed` phases."""
+
+    def take_part(self, request: Request, k: int) -> tuple:
+        """Part `k` of the step's batch, and with the last part the rollout metrics and the whole
+        batch. sync: generated now, with the last step's weights. one_step_off / async: asked
+        trainer.batches_ahead steps ago, generated while earlier steps trained; the batches of the
+        next steps are asked once the first part is in, before it trains."""
+        ahead, streamed = self.cfg.trainer.batches_ahead, len(request.refs) > 1
+        with self.timed("trainer_wait" if ahead else "gen", [k] if streamed else ()):
+            part, metrics, batch = wait_manager(self, request.refs[k])
+        if k == 0:
+            asked = self.pending[-1].step if self.pending else request.step
+            for s in range(asked + 1, min(self.step + 1 + ahead, self.ctx.total_steps) + 1):
+                self.pending.append(self._request(s))
+        if batch is not None:
+            metrics.update(staleness(batch.versions, self.syncs, ahead, self.cfg.trainer.stale_share))
+            self.stale_responses += round(metrics["rollout/stale_share"] * len(batch))
+            metrics["rollout/stale_responses_total"] = float(self.stale_responses)
+        return part, metrics, batch
+
+    def _request(self, step: int) -> Request:
+        """Every part of step `step`'s batch asked at once: the manager's calls run in order."""
+        t, d = self.cfg.trainer, self.cfg.data
+        parts = t.parts(d.train_batch_size, self.cfg.actor.ppo_mini_batch_size)
+        return Request(tuple(self.ctx.manager.next_batch.remote(step, k, parts) for k in range(parts)), step)
