@@ -174,6 +174,34 @@ def main() -> None:
     write_results(args, table, samples_per_step)
 
 
+def recommendation(table: dict) -> Table:
+    """The one-machine recommendation, by a rule fixed before the run: the fastest mode (mean of
+    its rounds' samples/s ratios to sync) whose learning per sample, the sampled reward's gain from
+    the first third to the last (the same samples in every mode), is sync's mean gain within
+    sync's own seed spread (its rounds' max - min)."""
+    gain = lambda s: s["reward_last"] - s["reward_first"]  # noqa: E731
+    sync = [gain(s) for s in table["sync"]]
+    centre, spread = statistics.fmean(sync), max(sync) - min(sync)
+    rows, ratios = [], {}
+    for m, rounds in table.items():
+        ratio = statistics.fmean(s["samples/s"] / b["samples/s"] for s, b in zip(rounds, table["sync"]))
+        g = statistics.fmean(gain(s) for s in rounds)
+        learns = abs(g - centre) <= spread
+        if learns:
+            ratios[m] = ratio
+        rows.append([m, f"{ratio:.2f}x", " / ".join(f"{gain(s):+.3f}" for s in rounds), f"{g:+.3f}",
+                     f"{g - centre:+.3f}", "yes" if learns else "no"])
+    best = max(ratios, key=ratios.get)
+    for row in rows:
+        row.append("**recommended**" if row[0] == best else "")
+    return Table("recommend", "The mode to run on one machine: the fastest whose learning per sample is sync's "
+                 "within sync's seed spread", ["mode", "samples/s vs sync (mean)", "reward gain per round",
+                                               "mean gain", "vs sync's mean", "learns as sync", "verdict"], rows,
+                 note=f"Gain: the sampled reward's last third minus its first third (the same samples in every mode). "
+                      f"Sync's mean gain {centre:+.3f}, its seed spread {spread:.3f}: a mode learns as sync does "
+                      "when its mean gain is within that spread of sync's.")
+
+
 def write_results(args, table: dict, samples_per_step: int) -> None:
     """The modes table: each cell its rounds' values, round 1 / round 2 / ..."""
     def each(rounds, fmt) -> str:
@@ -189,15 +217,18 @@ def write_results(args, table: dict, samples_per_step: int) -> None:
                      each(rounds, lambda s: f"{s['partial']:.2f}"), carried,
                      each(rounds, lambda s: f"{s['cores'].get('rank', 0.0):.2f} / {s['cores'].get('engine', 0.0):.2f}"),
                      " ; ".join(f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}" for s in rounds)])
+    tables = [Table("modes", f"Each mode on {CONFIG}'s layout, {args.rounds} rounds x {args.steps} steps, steps "
+                    f"{WARMUP + 1}-{args.steps}, {samples_per_step} responses a step; each cell round 1 / round 2, "
+                    "ratio to sync", ["mode", "samples/s", "median step (s)", "trainer wait (s)", "engine idle",
+                                      "lag (pushes)", "partial", "groups carried", "cores: rank / engine",
+                                      "sampled reward, first third -> last third"], rows)]
+    if base and len(base) > 1:
+        tables.append(recommendation(table))
     write("async_throughput", title="Training modes on one layout",
           measures="sync, one_step_off and async (staleness 1 and 2, partial rollouts or drained) alternated on "
                    "`quickstart_async`'s layout, a seed per round: samples/s, the step, the engine's idle share, the "
                    "policy lag, the cores each role used and the sampled reward.",
-          tables=[Table("modes", f"Each mode on {CONFIG}'s layout, {args.rounds} rounds x {args.steps} steps, steps "
-                        f"{WARMUP + 1}-{args.steps}, {samples_per_step} responses a step; each cell round 1 / round 2, "
-                        "ratio to sync", ["mode", "samples/s", "median step (s)", "trainer wait (s)", "engine idle",
-                                          "lag (pushes)", "partial", "groups carried", "cores: rank / engine",
-                                          "sampled reward, first third -> last third"], rows)],
+          tables=tables,
           plots=[args.plot] if args.plot else [])
 
 
