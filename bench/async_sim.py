@@ -562,7 +562,7 @@ def quickstart_cluster(engine: dict, measured: dict) -> tuple[Cluster, dict]:
         length_median=2.718281828 ** statistics.mean(logs), length_sigma=statistics.pstdev(logs), solve=solve,
         logprob_s=(_mean(sync, "timing/old_logprob"), 0.0), update_s=(_mean(sync, "timing/update"), 0.0),
         sync_s=_mean(sync, "timing/sync"),
-        score_s=_mean(sync, "reward/time_s") / _mean(sync, "sampling/scored_responses"),
+        score_s=_mean(sync, "timing/reward") / _mean(sync, "sampling/scored_responses"),
         contention=_mean(off, "timing/update") / _mean(sync, "timing/update") - 1)
     return cluster, {"fit_max_err": err, "lengths_mean": statistics.mean(engine["lengths"])}
 

@@ -9,7 +9,7 @@ other settings, alternated in one run.
 Checks the baseline commit out into a temporary git worktree (unless `--baseline none`) and runs
 the quickstart (`--steps` steps, no validation, no checkpoints, plus `--ours` overrides) from each
 tree and each `--variant NAME:key=value,...` of this checkout in turn, `--rounds` times, with this
-venv. Prints the median over steps 3.. of each phase (`timing/*`; `reward/time_s` is the scoring
+venv. Prints the median over steps 3.. of each phase (`timing/*`; `timing/reward` is the scoring
 inside `timing/gen`), what the phases leave of the step, the driver's CPU, and the command's
 wall time less all its steps (`start+end`: what every end-to-end test pays per run).
 """
@@ -23,7 +23,7 @@ from _trees import HERE, checkouts
 from common import NO_EVAL, median, run_main
 from results import Table, write
 
-PHASES = ("timing/step", "timing/gen", "timing/trainer_wait", "reward/time_s", "timing/old_logprob", "timing/update",
+PHASES = ("timing/step", "timing/gen", "timing/trainer_wait", "timing/reward", "timing/old_logprob", "timing/update",
           "timing/sync_wait", "timing/sync", "driver/cpu_s")
 WARMUP = 2  # steps left out of the medians
 # what `other` is the rest of (one_step_off: trainer_wait and sync_wait are the generation it waits for)
@@ -34,6 +34,8 @@ def _run(tree: str, out: str, steps: int, overrides: list[str], config: str) -> 
     run = run_main(config, [f"trainer.total_training_steps={steps}", *NO_EVAL, *overrides], out_dir=out, tree=tree,
                    timeout=1800)
     every = run.metrics()
+    for r in every:  # a baseline before the scoring time was named timing/reward
+        r.setdefault("timing/reward", r.get("reward/time_s", 0.0))
     med = {k: median(every, k, skip=WARMUP) for k in PHASES}  # no old_logprob: on-policy
     med["other"] = median(r["timing/step"] - sum(r.get(k, 0.0) for k in NAMED) for r in every[WARMUP:])
     # the command less its steps: start-up (imports, Ray, the roles) and end (save, stop, exit)
@@ -64,7 +66,7 @@ def main() -> None:
     for name, med in rows:
         print(f"| {name} | " + " | ".join(f"{med[k]:.3f}" for k in cols) + " |")
     rows_out = [[name, *(round(v, 3) if v else "-" for v in (
-        med["timing/step"], med["timing/gen"] + med["timing/trainer_wait"], med["reward/time_s"],
+        med["timing/step"], med["timing/gen"] + med["timing/trainer_wait"], med["timing/reward"],
         med["timing/old_logprob"], med["timing/update"], med["timing/sync"] + med["timing/sync_wait"], med["other"],
         med["driver/cpu_s"]))] for name, med in rows]
     write("quickstart_step_time", title="Quickstart step time by phase",

@@ -210,7 +210,7 @@ def run_ours(overrides: list[str], out: Path, steps: int, groups: int) -> tuple[
         if m.get("sampling/generated_groups", groups) != groups:  # TRL generates exactly the trained batch
             raise SystemExit(f"vs_trl: step {m['step']} generated {m['sampling/generated_groups']:.0f} groups, "
                              f"trained {groups}: check data.gen_batch_size")
-        score = m.get("reward/time_s", 0.0)  # scored once per step, after generation, inside timing/gen
+        score = m.get("timing/reward", 0.0)  # scored once per step, after generation, inside timing/gen
         rows.append({"step": m["step"], "reward": m["reward/mean"], "gen": m["timing/gen"] - score, "score": score,
                      **{k: m.get(f"timing/{k}", 0.0) for k in ("old_logprob", "update", "sync")},
                      "step_s": m["timing/step"], "length": m["response_length/mean"]})

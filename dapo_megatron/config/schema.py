@@ -292,6 +292,11 @@ class TrainerConfig:
     # step, as soon as its groups are scored, while the engines finish the step's others; the push
     # after the last (verl's fully-async trainer). Off: the step waits for its whole batch.
     stream_minibatches: bool = False
+    # Two runs with the same seeds and config give the same metrics (clocks and memory aside) and
+    # checkpoints: early-stop collection keeps groups in prompt order (waves it waits for, not the
+    # first to finish), and the device's deterministic kernels and collectives are on
+    # (device/__init__.py). Async with partial rollouts is refused (where a push lands is timing).
+    deterministic: bool = False
     total_training_steps: Optional[int] = None  # null: derived from total_epochs
     total_epochs: int = 1
     save_freq: int = -1  # -1: only at the end / on SIGTERM

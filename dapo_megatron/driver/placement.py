@@ -164,7 +164,8 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
     world = devices["actor"]
     run_dir = cfg.trainer.default_local_dir
     # The host env in the ranks' runtime env too: on a cluster their workers do not inherit ours.
-    ranks = dict(runtime_env={"env_vars": device.host_env()})
+    deterministic = device.deterministic_env() if cfg.trainer.deterministic else {}
+    ranks = dict(runtime_env={"env_vars": {**device.host_env(), **deterministic}})
 
     def start_train() -> TrainGroup:
         return TrainGroup([ray.remote(TrainWorker).options(**_options(device, pg, i, share), **ranks).remote(
@@ -173,7 +174,8 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
     tp = cfg.rollout.parallel.tp
     engine_spec = EngineSpec.from_model(model_path, cfg.rollout, model=spec, dtype=cfg.model.dtype,
                                         max_model_len=max_model_len, tokenizer_path=tokenizer_path,
-                                        return_routes=cfg.actor.router_replay == "rollout")
+                                        return_routes=cfg.actor.router_replay == "rollout",
+                                        deterministic=cfg.trainer.deterministic)
 
     names: list[str] = []
 

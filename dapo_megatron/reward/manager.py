@@ -120,7 +120,7 @@ class RewardManager:
             "reward/no_answer_frac": reasons.count(NO_ANSWER) / batch,
             "reward/refused": float(sum(reasons.count(r) for r in _REFUSED)),
             "reward/overlong_penalty_mean": out.overlong_penalty.mean().item() if results else 0.0,
-            "reward/time_s": elapsed_s,
+            "timing/reward": elapsed_s,
         }
         if self.cfg.overlong_buffer.log:
             metrics["reward/overlong_frac"] = (out.overlong_penalty < 0).float().mean().item() \

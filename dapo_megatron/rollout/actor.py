@@ -123,7 +123,8 @@ def engine_actor(spec: EngineSpec, *, device: str = "auto", name: Optional[str] 
     """
     import ray
     dev = get_device(device)
-    env = {**dev.host_env(), **dev.vllm_env(spec.rollout.parallel.tp)}
+    env = {**dev.host_env(), **dev.vllm_env(spec.rollout.parallel.tp),
+           **(dev.deterministic_env(engine=True) if spec.deterministic else {})}
     options = dict(ray_options, max_concurrency=MAX_CONCURRENCY, runtime_env={"env_vars": env})
     if name is not None:
         options["name"] = name

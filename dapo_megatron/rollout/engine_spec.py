@@ -29,6 +29,7 @@ class EngineSpec:
     num_layers: int = 0
     top_k: int = 0
     kv_bytes_per_token: int = 0  # K and V of every layer (0: unknown; the device's floor applies)
+    deterministic: bool = False  # trainer.deterministic: the device's batch-invariant kernels (engine_actor)
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -36,7 +37,8 @@ class EngineSpec:
 
     @classmethod
     def from_model(cls, model_path: str, rollout, *, model: Optional[ModelSpec] = None, dtype: str = "bf16",
-                   max_model_len: int = 4096, return_routes: bool = False, tokenizer_path: str = "") -> "EngineSpec":
+                   max_model_len: int = 4096, return_routes: bool = False, tokenizer_path: str = "",
+                   deterministic: bool = False) -> "EngineSpec":
         """model: the checkpoint's ModelSpec (None: read from model_path's config.json)."""
         model = model or ModelSpec.from_pretrained(model_path)
         vl = model.is_vision_language
@@ -45,7 +47,7 @@ class EngineSpec:
                    image_token_id=model.image_token_id if vl else None, return_routes=return_routes,
                    num_layers=model.num_layers, top_k=model.moe_top_k,
                    kv_bytes_per_token=2 * model.num_layers * model.num_kv_heads * model.head_dim
-                   * DTYPES[dtype].torch.itemsize)
+                   * DTYPES[dtype].torch.itemsize, deterministic=deterministic)
 
     @property
     def kv_cache_bytes(self) -> int:

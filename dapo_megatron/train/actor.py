@@ -76,14 +76,17 @@ def build_chunks(spec: ModelSpec, hf_dir: str, parallel, *, dtype: str, load: bo
 
 class Actor:
     def __init__(self, cfg: ActorConfig, hf_dir: str, *, spec: ModelSpec | None = None, n: int = 1,
-                 total_steps: int = 1, dtype: str = "fp32", temperature: float = 1.0, load_weights: bool = True):
+                 total_steps: int = 1, dtype: str = "fp32", temperature: float = 1.0, load_weights: bool = True,
+                 deterministic: bool = False):
         self.cfg, self.n, self.temperature = cfg, n, temperature
         self.correction = Correction(**vars(cfg.rollout_correction))
         self.loss_params = LossParams(**vars(cfg.policy_loss_params))
         self.spec = spec = spec or ModelSpec.from_pretrained(hf_dir)
         p = cfg.parallel  # config/validate.check_parallel_fits_model explains this rule to users
         assert not (spec.is_moe and p.tp > 1 and p.ep == 1 and p.etp != p.tp), "MoE with tp > 1, ep 1 needs etp == tp"
-        chunks = build_chunks(spec, hf_dir, cfg.parallel, dtype=dtype, load=load_weights,
+        # deterministic (trainer.deterministic): Megatron's deterministic mode, e.g. an embedding
+        # backward without atomic adds
+        chunks = build_chunks(spec, hf_dir, cfg.parallel, dtype=dtype, load=load_weights, deterministic_mode=deterministic,
                               **recompute_overrides(cfg.recompute_granularity))
         # Routing replay (train/routing.py): slots on the routers; None routes freely everywhere.
         self.routes = None
@@ -137,7 +140,7 @@ class Actor:
 
         Without `minis` every rank holds the whole batch; with them `batch` holds this rank's rows
         only and `minis` lists, per mini-batch, its rows in `batch` and the global normalisers
-        (`minibatches`, mapped to `batch`). `tokens`: the whole batch's, for actor/tokens_per_s.
+        (`minibatches`, mapped to `batch`). `tokens`: the whole batch's, for perf/actor_tokens_per_s.
         `new_step`: the schedule counts an RL step (False: a later streamed mini-batch of one)."""
         if batch.advantages is None:
             raise ValueError("Actor.update needs batch.advantages")
@@ -163,7 +166,7 @@ class Actor:
         metrics = {k: max(m[k] for m in steps) if k in _MAXED else sum(m[k] for m in steps) / len(steps)
                    for k in steps[0]}
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]
-        metrics["actor/tokens_per_s"] = tokens / (time.perf_counter() - start)
+        metrics["perf/actor_tokens_per_s"] = tokens / (time.perf_counter() - start)
         return metrics
 
     def _train_minibatch(self, batch: RolloutBatch, counts: tuple[int, int]) -> dict:

@@ -59,13 +59,16 @@ class TrainWorker:
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.rank % self.cfg.trainer.n_gpus_per_node))
         device = get_device(self.cfg.trainer.device)
         device.setup_process(self.cfg.trainer.n_gpus_per_node)
+        if self.cfg.trainer.deterministic:
+            device.make_deterministic()
         info = init_parallel(self.cfg.actor.parallel, device, seed=self.cfg.trainer.seed,
                              timeout_s=self.cfg.trainer.dist_timeout_s)
         c = self.cfg
         self.transport = TRANSPORTS[c.rollout.sync.transport](device)
         start = c.model.load_checkpoint  # the weights to start from instead of model.path's
         self.actor = Actor(c.actor, self.model_path, spec=self.spec, n=c.rollout.n, total_steps=total_steps,
-                           dtype=c.model.dtype, temperature=c.rollout.temperature, load_weights=not start)
+                           dtype=c.model.dtype, temperature=c.rollout.temperature, load_weights=not start,
+                           deterministic=c.trainer.deterministic)
         if c.actor.use_kl_loss:
             self.ref = Reference(c.ref, self.model_path, spec=self.spec, dtype=c.model.dtype,
                                  temperature=c.rollout.temperature,

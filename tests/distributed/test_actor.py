@@ -121,7 +121,7 @@ def test_logprobs_match_tp1_and_hf(layout, batch, hf_reference, results):
 
 def _assert_same_update(got: dict, want: dict, what: str):
     for key, value in want["metrics"][0].items():
-        if key != "actor/tokens_per_s":
+        if key != "perf/actor_tokens_per_s":
             assert abs(got["metrics"][0][key] - value) <= LAYOUT_TOL, f"{what}: {key}"
     assert _maxdiff(got["logprobs"], want["logprobs"]) <= LAYOUT_TOL, f"{what}: log-probs after the update"
     actor_jobs.assert_same_weights(got, want, LAYOUT_TOL, what)
@@ -173,7 +173,7 @@ def test_on_policy_update_is_the_two_pass_update(layout, results):
         actor_jobs.assert_same_weights(shortcut, exact, 1e-6, f"{layout} rank {rank}")
         assert _maxdiff(shortcut["logprobs"], exact["logprobs"]) <= 1e-6
         for key, value in exact["metrics"][0].items():
-            if key != "actor/tokens_per_s":
+            if key != "perf/actor_tokens_per_s":
                 assert shortcut["metrics"][0][key] == pytest.approx(value, abs=1e-6), key
         gap = {k: shortcut["metrics"][0][k] for k in exact["gap"]}
         assert gap == pytest.approx(exact["gap"], abs=1e-6) and gap["rollout/logprob_diff_max"] > 1e-3
@@ -191,7 +191,7 @@ def test_bypass_mode_trains_against_the_engines_logprobs(layout, results):
         moved = max(float((w - bypass["before"][k]).abs().max()) for k, w in bypass["weights"].items())
         assert moved > 1e-4  # the step moved them: the check means something
         for key, value in given["metrics"][0].items():
-            if key != "actor/tokens_per_s":
+            if key != "perf/actor_tokens_per_s":
                 assert bypass["metrics"][0][key] == pytest.approx(value, abs=1e-6), key
         gap = {k: bypass["metrics"][0][k] for k in bypass["gap"]}
         assert gap == pytest.approx(bypass["gap"], abs=1e-6) and gap["rollout/logprob_diff_max"] > 1e-3
@@ -211,7 +211,7 @@ def test_streamed_minibatches_update_as_the_whole_batch(layout, results):
         assert moved > 1e-5
         assert set(streamed["metrics"][0]) == set(whole["metrics"][0])
         for key, value in whole["metrics"][0].items():
-            if key != "actor/tokens_per_s":
+            if key != "perf/actor_tokens_per_s":
                 assert streamed["metrics"][0][key] == pytest.approx(value, abs=1e-6), key
         assert whole["metrics"][0]["actor/lr"] == pytest.approx(whole["lr"] / 4)  # warm-up step 1 of 4
 

@@ -55,7 +55,7 @@ def test_resume_matches_uninterrupted_run(runs):
         assert res["trainer_state"] == {"step": 2, "sampler": [7, 8]}
         got = res["metrics"][0]
         for key in want:
-            if key != "actor/tokens_per_s":
+            if key != "perf/actor_tokens_per_s":
                 assert got[key] == want[key], key  # exactly: same weights, Adam state, LR step
         # After step 3 the weights depend on the restored Adam moments, step count and schedule.
         assert (res["logprobs_after_3"] - want_lp).abs().max().item() == 0

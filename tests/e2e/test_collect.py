@@ -176,6 +176,36 @@ def test_early_stop_aborts_and_returns_every_unused_prompt(env):
     _early_stop_steps(engine, dataset, plane, sampling, "early")
 
 
+def test_in_order_early_stop_keeps_the_same_groups_whatever_finishes_first(env):
+    """trainer.deterministic: early stop in waves scored in prompt order. The same prompt stream
+    and seeds collected with 4 groups in flight and with 1 (other finish orders, other polls)
+    keep the same groups with the same tokens and log-probs, every metric but the clocks equal,
+    the same prompts back in the stream; nothing is aborted, the surplus of a wave dropped."""
+    from dapo_megatron.algo import DynamicSampler
+    from dapo_megatron.rollout.collection import EarlyStop, Source, Store
+    from dapo_megatron.rollout.types import Sampling
+    dataset, engine, plane, _ = env
+    sampling = Sampling(n=N, temperature=1.0, max_tokens=48, seed=0, stop_token_ids=tuple(range(100, 130)))
+    runs = []
+    for groups_at_once in (4, 1):
+        prompts = RecordingSampler(len(dataset), seed=5)
+        source = Source([engine], dataset, prompts, DynamicSampler(TRAIN, max_num_gen_batches=10), half_degenerate, GEN)
+        waves = EarlyStop(source, max_concurrent_per_engine=groups_at_once * N, in_order=True)
+        result = waves.collect(1, sampling, Store(f"waves{groups_at_once}", plane))
+        batch = _check_kept(result, plane, f"waves{groups_at_once}")
+        runs.append(([g.payload.item.index for g in result.groups], batch.responses, batch.rollout_logprobs,
+                     {k: v for k, v in result.metrics.items() if not k.startswith("timing/")},
+                     prompts.inner.state_dict()["pushed_back"], prompts.served))
+    (kept, responses, logprobs, metrics, back, served), other = runs
+    assert kept == other[0] and len(responses) == len(logprobs) == TRAIN * N
+
+    def rows_equal(a, b):  # tensors or lists of them, row by row, bit for bit
+        return len(a) == len(b) and all(torch.equal(torch.as_tensor(x), torch.as_tensor(y)) for x, y in zip(a, b))
+    assert rows_equal(responses, other[1]) and rows_equal(logprobs, other[2])
+    assert metrics == other[3] and metrics["sampling/aborted_groups"] == 0
+    assert back == other[4] and served == other[5]
+
+
 def test_early_stop_carries_groups_in_flight_into_the_next_collection(env):
     """trainer.mode=async with partial rollouts: the groups still running when a batch fills go on
     (nothing aborted) and the next collection takes them over: they are stored in its partition

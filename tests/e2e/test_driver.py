@@ -3,7 +3,8 @@
 A quickstart start-up (Ray, data plane, ranks, engine) costs most of an e2e test's time, so the
 module starts each run once and several tests assert on it:
   whole:   the quickstart as a user starts it (a process of its own) on ~300-token prompts,
-           2 steps, routes replayed, a checkpoint every step
+           2 steps, routes replayed, a checkpoint every step, trainer.deterministic; whole_again
+           runs it again in this process
   chunked: the same in this process, prefilling 256 tokens a step (every prompt is chunked)
   tp2:     the same at TP2, its engine killed once step 1 is saved; the last test resumes it
            under `ray job submit` on two Ray nodes (its engine, then a rank killed -9, then its
@@ -105,9 +106,11 @@ def _long_prompt_data(tiny_assets, out_dir) -> str:
 @pytest.fixture(scope="module")
 def long_prompts(tiny_assets, tmp_path_factory) -> dict:
     """Overrides shared by the module's runs: ~300-token prompts, routes replayed by the update
-    (actor.router_replay=actor: the old-log-prob pass records them, the batch carries them)."""
+    (actor.router_replay=actor: the old-log-prob pass records them, the batch carries them), and
+    trainer.deterministic (whole_again repeats whole)."""
     train = _long_prompt_data(tiny_assets, tmp_path_factory.mktemp("long"))
-    return {"data.train_files": f"[{train}]", "data.max_prompt_length": 400, "actor.router_replay": "actor"}
+    return {"data.train_files": f"[{train}]", "data.max_prompt_length": 400, "actor.router_replay": "actor",
+            "trainer.deterministic": "true"}
 
 
 @dataclass
@@ -233,6 +236,59 @@ def _model_weights(checkpoint: Path, tmp: Path) -> dict:
     dcp_to_torch_save(str(checkpoint), str(tmp / f"{checkpoint.name}.pt"))
     state = torch.load(tmp / f"{checkpoint.name}.pt", weights_only=False)
     return {k: v for k, v in state.items() if k.startswith(("embedding.", "decoder.", "output_layer.")) and torch.is_tensor(v)}
+
+
+def _checkpoint_contents(checkpoint: Path, tmp: Path) -> dict:
+    """Everything a checkpoint holds, by name: the dist checkpoint's state (model, optimizer,
+    schedule, trainer state) read without a process group, each torch file loaded, every other
+    file's bytes. Left out: torch's `.metadata`, whose writer puts random IDs in it, and the
+    checksums of the files (that one among them)."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    tmp.mkdir(parents=True, exist_ok=True)
+    dcp_to_torch_save(str(checkpoint), str(tmp / "state.pt"))
+    out = {f"state/{k}": v for k, v in torch.load(tmp / "state.pt", weights_only=False).items()}
+    for path in sorted(checkpoint.rglob("*")):
+        name = str(path.relative_to(checkpoint))
+        if path.is_dir() or path.suffix == ".distcp" or path.name in (".metadata", "checksums.json"):
+            continue
+        out[name] = torch.load(path, weights_only=False) if path.suffix == ".pt" else path.read_bytes()
+    return out
+
+
+def _same(a, b) -> bool:
+    """Equal all the way down: tensors bit for bit (dtype and shape too), containers item by item."""
+    import torch
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.fixture(scope="module")
+def whole_again(tiny_assets, long_prompts, tmp_path_factory, local_ray) -> Finished:
+    """`whole` again (this process, the session's Ray): the same seeds and config."""
+    out = tmp_path_factory.mktemp("again") / "run"
+    assert _run_here(_cfg(tiny_assets, out, 2, **long_prompts, **{"rollout.max_num_batched_tokens": 16384})) == 0
+    return Finished(out, _rows(out))
+
+
+def test_a_deterministic_run_repeats_every_metric_and_checkpoint(whole, whole_again, tmp_path):
+    """trainer.deterministic (long_prompts), the quickstart's synchronous recipe rounds: two runs of
+    one config write the same metrics.jsonl in every key but the clocks (timing/*, perf/* and the
+    CPU seconds) and memory/*, and checkpoints whose every tensor and field are equal."""
+    def stable(rows):
+        return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/", "memory/"))
+                 and not k.endswith("cpu_s")} for r in rows]
+    assert len(whole_again.rows) == 2 and stable(whole_again.rows) == stable(whole.rows)
+    for step in ("step_1", "step_2"):
+        ours, again = (_checkpoint_contents(run.out / "checkpoints" / step, tmp_path / f"{i}-{step}")
+                       for i, run in enumerate((whole, whole_again)))
+        assert sorted(ours) == sorted(again) and sum(k.startswith("state/") for k in ours) > 20, sorted(ours)
+        assert not [k for k in ours if not _same(ours[k], again[k])]
 
 
 def test_journey_train_export_evaluate_convert_back_start_and_serve(whole, tiny_assets, long_prompts, local_ray,

@@ -126,6 +126,22 @@ def test_the_correction_is_on_by_default_where_trained_tokens_can_be_off_policy(
 
 
 @pytest.mark.parametrize("overrides,ok", [
+    (["trainer.deterministic=true"], False),  # async with partial rollouts: where a push lands is timing
+    (["trainer.deterministic=true", "trainer.partial_rollout=false"], True),  # pushes wait: drain
+    (["trainer.deterministic=true", "trainer.mode=one_step_off", "trainer.max_staleness=1"], True),
+])
+def test_deterministic_refuses_only_partial_rollouts(overrides, ok):
+    """trainer.deterministic on quickstart_async (async, early stop): every mode but the one whose
+    pushes land mid-response; the refusal is one line naming the key."""
+    if ok:
+        assert load_config("quickstart_async", overrides).trainer.deterministic
+        return
+    with pytest.raises(ConfigError) as err:
+        load_config("quickstart_async", overrides)
+    assert err.value.key == "trainer.deterministic" and len(str(err.value).splitlines()) == 1, str(err.value)
+
+
+@pytest.mark.parametrize("overrides,ok", [
     (["trainer.max_staleness=1", "trainer.stale_share=0.5"], True),
     (["trainer.max_staleness=1", "trainer.stale_share=0"], True),  # on-policy: every prompt waits for its push
     (["trainer.stale_share=0.5"], False),  # quickstart_async lags two pushes: whole steps are max_staleness

@@ -36,4 +36,5 @@ def build(cfg: DapoConfig, source: Source) -> Collection:
     if cfg.trainer.carries_in_flight:
         return Carrying(source, cfg.rollout.max_concurrent_per_engine, Staleness.from_config(cfg.trainer),
                         by_responses=by_responses)
-    return EarlyStop(source, cfg.rollout.max_concurrent_per_engine, by_responses=by_responses)
+    return EarlyStop(source, cfg.rollout.max_concurrent_per_engine, by_responses=by_responses,
+                     in_order=cfg.trainer.deterministic)

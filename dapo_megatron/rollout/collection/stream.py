@@ -22,9 +22,10 @@ class EarlyStop:
     """Stream prompts to the engines until train_batch_size groups are kept, then abort the rest."""
 
     def __init__(self, source: Source, max_concurrent_per_engine: int, poll_s: float = 0.05,
-                 by_responses: bool = False):
+                 by_responses: bool = False, in_order: bool = False):
         self.source, self.max_concurrent_per_engine, self.poll_s = source, max_concurrent_per_engine, poll_s
         self.by_responses = by_responses  # rollout.admission=responses
+        self.in_order = in_order  # trainer.deterministic: waves, kept in prompt order (`fill_in_waves`)
 
     def collect(self, step: int, sampling: Sampling, store: Store) -> Collected:
         run = self.stream(sampling, Tokens(store))
@@ -43,11 +44,11 @@ class EarlyStop:
         """Submit and score until the batch is full or the round budget is spent; groups older than
         `oldest_version` are dropped, and up to `batches_after` more batches' groups may be in
         flight beside this one's (asynchronous carrying)."""
+        if self.in_order:
+            return self.fill_in_waves(run)
         s = self.source
         while not s.sampler.is_full:
-            if not run.queued and not s.sampler.exhausted:
-                run.queued.extend(s.dataset[i] for i in s.prompts.next(s.gen_batch_size))
-                s.sampler.start_round()
+            self._next_round(run)
             # No more in flight than the batch still needs at the keep rate seen so far: the rest
             # would mostly be aborted (waste) when the batch fills.
             held = self.submit(run, s.sampler.groups_to_fill(batches_after))
@@ -57,6 +58,27 @@ class EarlyStop:
                     continue
                 break  # round budget spent and everything came back: train on what was kept
             self.score(run, run.poll(timeout=self.poll_s), oldest_version)
+
+    def _next_round(self, run: "Stream") -> None:
+        """The next gen_batch_size prompts queued once the queue is empty (a round of the budget)."""
+        s = self.source
+        if not run.queued and not s.sampler.exhausted:
+            run.queued.extend(s.dataset[i] for i in s.prompts.next(s.gen_batch_size))
+            s.sampler.start_round()
+
+    def fill_in_waves(self, run: "Stream") -> None:
+        """trainer.deterministic: waves of as many prompts as the batch still needs at the keep rate
+        seen so far, each generated whole and scored in prompt order, so that the groups kept are
+        a function of the prompts and seeds, not of which finished first; a wave's surplus is
+        dropped as a recipe round's is. What it costs: each wave waits for its slowest group."""
+        s = self.source
+        while not s.sampler.is_full:
+            self._next_round(run)
+            need = s.sampler.groups_to_fill()
+            wave = [run.queued.popleft() for _ in range(int(min(len(run.queued), need)))]
+            if not wave:
+                break  # round budget spent: train on what was kept
+            self.score(run, run.generate_wave(wave), None)
 
     def submit(self, run: "Stream", limit: float) -> bool:
         """Submit what `limit` allows; True when prompts were held back for a reason other than
@@ -130,6 +152,20 @@ class Stream:
             if len(self._answers(calls)) == len(calls):
                 return
 
+    def generate_wave(self, wave: list[PromptItem]) -> list[tuple[PromptItem, StoredGroup]]:
+        """Every prompt of `wave` generated (submitted as capacity frees, again elsewhere when an
+        engine dies), the groups returned in the wave's order; the rest of the queue waits."""
+        rest, self.queued = self.queued, deque(wave)
+        done = []
+        try:
+            while self.queued or self.in_flight:
+                self.submit_ready(len(wave))
+                done += self.poll(timeout=0.05)
+        finally:
+            self.queued = rest
+        position = {id(item): k for k, item in enumerate(wave)}
+        return sorted(done, key=lambda pair: position[id(pair[0])])
+
     def poll(self, timeout: float, only: set[str] | None = None) -> list[tuple[PromptItem, StoredGroup]]:
         """Finished groups; `only`: just these request ids (the others stay in their engines)."""
         self.tokens.store.between()
@@ -145,7 +181,8 @@ class Stream:
         for e, results in answers.items():
             if self.by_responses:
                 results, self.running[e] = results
-            self.tokens.driver_bytes += received(results)
+            # group by group: the same count however the groups were spread over polls
+            self.tokens.driver_bytes += sum(received(group) for group in results)
             if results:
                 self.progress[e] = time.monotonic()
             for group in results:
