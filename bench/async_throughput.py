@@ -1,5 +1,6 @@
 """Throughput of the training modes on one layout: sync, one_step_off, async (staleness 1 and 2,
-pushes reaching responses mid-generation or draining them first), alternated in one run.
+pushes reaching responses mid-generation or draining them first), and the modes
+trainer.deterministic allows with it on, alternated in one run.
 
     python bench/async_throughput.py [--rounds 2] [--steps 36] [--plot bench/plots/async_modes.png] [key=value ...]
 
@@ -11,7 +12,9 @@ the median step, the engine's idle share (no collection running), the policy lag
 share, the cores each role used (CPU seconds over the window's wall seconds, read from /proc every
 0.5 s), and the sampled reward (`reward/mean`, before dynamic sampling) over the first and last
 third of the steps: the same number of samples in every mode. Ratios are against sync in the same
-round; the noise is the spread between rounds of one mode. `--plot`: reward against wall-clock
+round; the noise is the spread between rounds of one mode. Two more tables: the mode to run on one
+machine (`recommendation`: the fastest that learns per sample as sync does) and
+trainer.deterministic's cost per mode. `--plot`: reward against wall-clock
 time and against samples trained, per mode (PNG).
 """
 from __future__ import annotations
@@ -40,6 +43,10 @@ MODES = {  # name -> overrides of quickstart_async (shipped: async, max_stalenes
     "async k=2": [],
     "async k=2 drain": ["trainer.partial_rollout=false"],
 }
+# trainer.deterministic's cost: each mode it allows, again with it on (early stop in waves)
+DETERMINISTIC = " deterministic"
+MODES.update({m + DETERMINISTIC: o + ["trainer.deterministic=true"]
+              for m, o in list(MODES.items()) if m in ("sync", "one_step_off", "async k=2 drain")})
 ROLES = {"driver": "driver", "ray::EngineActor": "engine", "ray::TrainWorker": "rank", "ray::RolloutManager": "manager"}
 WARMUP = 2
 
@@ -218,12 +225,24 @@ def write_results(args, table: dict, samples_per_step: int) -> None:
                      each(rounds, lambda s: f"{s['cores'].get('rank', 0.0):.2f} / {s['cores'].get('engine', 0.0):.2f}"),
                      " ; ".join(f"{s['reward_first']:.3f} -> {s['reward_last']:.3f}" for s in rounds)])
     tables = [Table("modes", f"Each mode on {CONFIG}'s layout, {args.rounds} rounds x {args.steps} steps, steps "
-                    f"{WARMUP + 1}-{args.steps}, {samples_per_step} responses a step; each cell round 1 / round 2, "
+                    f"{WARMUP + 1}-{args.steps}, {samples_per_step} responses a step; each cell its rounds (seeds 1.."
+                    f"{args.rounds}) in order, "
                     "ratio to sync", ["mode", "samples/s", "median step (s)", "trainer wait (s)", "engine idle",
                                       "lag (pushes)", "partial", "groups carried", "cores: rank / engine",
                                       "sampled reward, first third -> last third"], rows)]
     if base and len(base) > 1:
         tables.append(recommendation(table))
+    paired = [m for m in table if m.endswith(DETERMINISTIC) and m[:-len(DETERMINISTIC)] in table]
+    if paired:
+        tables.append(Table("deterministic", "trainer.deterministic's cost: each mode with it on against the same "
+                            "mode off, round by round", ["mode", "samples/s, default", "samples/s, deterministic",
+                                                         "ratio", "median step (s), default / deterministic"],
+                            [[m[:-len(DETERMINISTIC)], each(table[m[:-len(DETERMINISTIC)]], lambda s: f"{s['samples/s']:.1f}"),
+                              each(table[m], lambda s: f"{s['samples/s']:.1f}"),
+                              " / ".join(f"{d['samples/s'] / b['samples/s']:.2f}x"
+                                         for d, b in zip(table[m], table[m[:-len(DETERMINISTIC)]])),
+                              " ; ".join(f"{b['step_s']:.2f} / {d['step_s']:.2f}"
+                                         for d, b in zip(table[m], table[m[:-len(DETERMINISTIC)]]))] for m in paired]))
     write("async_throughput", title="Training modes on one layout",
           measures="sync, one_step_off and async (staleness 1 and 2, partial rollouts or drained) alternated on "
                    "`quickstart_async`'s layout, a seed per round: samples/s, the step, the engine's idle share, the "
