@@ -294,7 +294,8 @@ class TrainerConfig:
     stream_minibatches: bool = False
     # Two runs with the same seeds and config give the same metrics (clocks and memory aside) and
     # checkpoints: early-stop collection keeps groups in prompt order (waves it waits for, not the
-    # first to finish), and the device's deterministic kernels and collectives are on
+    # first to finish), a save drains the batches asked ahead (so a resume equals the run never
+    # stopped), and the device's deterministic kernels and collectives are on
     # (device/__init__.py). Async with partial rollouts is refused (where a push lands is timing).
     deterministic: bool = False
     total_training_steps: Optional[int] = None  # null: derived from total_epochs

@@ -39,13 +39,23 @@ class Batches:
             part, metrics, batch = wait_manager(self, request.refs[k])
         if k == 0:
             asked = self.pending[-1].step if self.pending else request.step
-            for s in range(asked + 1, min(self.step + 1 + ahead, self.ctx.total_steps) + 1):
+            for s in range(asked + 1, self._ask_until() + 1):
                 self.pending.append(self._request(s))
         if batch is not None:
             metrics.update(staleness(batch.versions, self.syncs, ahead, self.cfg.trainer.stale_share))
             self.stale_responses += round(metrics["rollout/stale_share"] * len(batch))
             metrics["rollout/stale_responses_total"] = float(self.stale_responses)
         return part, metrics, batch
+
+    def _ask_until(self) -> int:
+        """The last step whose batch may be asked now: trainer.batches_ahead past this one; under
+        trainer.deterministic not past the next save, so that the batch after a save is generated
+        with the saved weights, as a resume from that save generates it (a save drains)."""
+        t = self.cfg.trainer
+        until = min(self.step + 1 + t.batches_ahead, self.ctx.total_steps)
+        if t.deterministic and t.save_freq > 0:
+            until = min(until, -(-(self.step + 1) // t.save_freq) * t.save_freq)
+        return until
 
     def _request(self, step: int) -> Request:
         """Every part of step `step`'s batch asked at once: the manager's calls run in order."""

@@ -11,6 +11,9 @@ model.load_checkpoint: a Megatron checkpoint whose weights are not model.path's.
 async (the config as shipped: two batches ahead, partial rollouts, early-stop sampling; verl's
 DPPO-TV loss): killed -9 in step 3's update (the engine generating the next batches meanwhile),
 then resumed to step 4.
+deterministic_pair: one_step_off under trainer.deterministic, 4 steps, a checkpoint every second,
+run twice: never killed, and its training rank killed -9 in step 3's update and in step 4's weight
+push; both write the same.
 """
 from __future__ import annotations
 
@@ -143,6 +146,51 @@ def test_a_dead_rank_restarts_alone_and_drops_the_batch_asked_ahead(one_step_off
     assert (event["event"], event["step"], event["kept"]) == ("restart", 1, list(KEPT)), event
     assert event["checkpoint"] == str(out / "checkpoints" / "step_1")
     assert rows[-1]["data_plane/resident_mb"] == 0 < rows[0]["data_plane/resident_mb"]
+
+
+# trainer.deterministic in one_step_off with early-stop sampling (quickstart_async's: the waves of
+# rollout/collection/stream.py), a checkpoint every second step: the batch after a save is asked
+# once it is saved (a save drains), so that a resume from it generates what the run did.
+DETERMINISTIC = {"trainer.deterministic": "true", "trainer.mode": "one_step_off", "trainer.max_staleness": 1,
+                 "data.gen_batch_size": 6, "trainer.save_freq": 2, "trainer.test_freq": 0, "trainer.max_restarts": 2}
+
+
+def _deterministic(tiny_assets, out, *kills: str) -> list[dict]:
+    from dapo_megatron.config import load_config
+    from dapo_megatron.driver.supervisor import run
+    from tests import faults
+    faults.install(*kills)
+    try:
+        assert run(load_config("quickstart_async", _overrides(tiny_assets, out, 4, **DETERMINISTIC))) == 0
+    finally:
+        faults.uninstall()
+    return [json.loads(line) for line in open(out / "metrics.jsonl")]
+
+
+@pytest.fixture(scope="module")
+def deterministic_pair(tiny_assets, tmp_path_factory, local_ray):
+    """The run never killed, and the same run with its training rank killed -9 in step 3's update
+    and again in step 4's weight push: each time it restarts itself from step 2's checkpoint and
+    generates step 3 again."""
+    never = tmp_path_factory.mktemp("never") / "run"
+    killed = tmp_path_factory.mktemp("killed") / "run"
+    return (never, _deterministic(tiny_assets, never)), (killed, _deterministic(tiny_assets, killed, "rank:update:3", "rank:sync:4"))
+
+
+def test_one_step_off_killed_and_resumed_equals_the_run_never_killed(deterministic_pair, tmp_path):
+    from tests import same_run
+    (never, rows), (killed, rows_killed) = deterministic_pair
+    events = [json.loads(line) for line in open(killed / "events.jsonl")]
+    assert [(e["event"], e["step"], e["checkpoint"]) for e in events] == \
+        [("restart", s, str(killed / "checkpoints" / "step_2")) for s in (2, 3)], events  # (`step`: the last logged)
+    # steps 2 and 4 were generated one push behind while the step before trained; step 3 after
+    # step 2's save: nothing was asked past it, so its sync waited for nothing
+    assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0], rows
+    assert ["timing/sync_wait" in r for r in rows] == [True, False, True, False], rows
+    assert all(r["sampling/aborted_groups"] == 0 for r in rows)  # waves: nothing aborted
+    assert len(rows_killed) == 4 and same_run.stable(rows_killed) == same_run.stable(rows)
+    for step in ("step_2", "step_4"):
+        assert not same_run.differing(never, killed, step, tmp_path)
 
 
 ASYNC_STEPS = 5

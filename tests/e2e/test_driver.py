@@ -4,7 +4,7 @@ A quickstart start-up (Ray, data plane, ranks, engine) costs most of an e2e test
 module starts each run once and several tests assert on it:
   whole:   the quickstart as a user starts it (a process of its own) on ~300-token prompts,
            2 steps, routes replayed, a checkpoint every step, trainer.deterministic; whole_again
-           runs it again in this process
+           runs it again in this process, killed in step 2 and resumed by itself
   chunked: the same in this process, prefilling 256 tokens a step (every prompt is chunked)
   tp2:     the same at TP2, its engine killed once step 1 is saved; the last test resumes it
            under `ray job submit` on two Ray nodes (its engine, then a rank killed -9, then its
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import cli
+from tests import cli, same_run
 from tests.doc_runs import doc_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -238,57 +238,33 @@ def _model_weights(checkpoint: Path, tmp: Path) -> dict:
     return {k: v for k, v in state.items() if k.startswith(("embedding.", "decoder.", "output_layer.")) and torch.is_tensor(v)}
 
 
-def _checkpoint_contents(checkpoint: Path, tmp: Path) -> dict:
-    """Everything a checkpoint holds, by name: the dist checkpoint's state (model, optimizer,
-    schedule, trainer state) read without a process group, each torch file loaded, every other
-    file's bytes. Left out: torch's `.metadata`, whose writer puts random IDs in it, and the
-    checksums of the files (that one among them)."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    tmp.mkdir(parents=True, exist_ok=True)
-    dcp_to_torch_save(str(checkpoint), str(tmp / "state.pt"))
-    out = {f"state/{k}": v for k, v in torch.load(tmp / "state.pt", weights_only=False).items()}
-    for path in sorted(checkpoint.rglob("*")):
-        name = str(path.relative_to(checkpoint))
-        if path.is_dir() or path.suffix == ".distcp" or path.name in (".metadata", "checksums.json"):
-            continue
-        out[name] = torch.load(path, weights_only=False) if path.suffix == ".pt" else path.read_bytes()
-    return out
-
-
-def _same(a, b) -> bool:
-    """Equal all the way down: tensors bit for bit (dtype and shape too), containers item by item."""
-    import torch
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @pytest.fixture(scope="module")
 def whole_again(tiny_assets, long_prompts, tmp_path_factory, local_ray) -> Finished:
-    """`whole` again (this process, the session's Ray): the same seeds and config."""
+    """`whole` again (this process, the session's Ray), the same seeds and config, its training
+    rank 0 killed -9 in step 2's update: the run restarts itself from step 1's checkpoint
+    (trainer.max_restarts) and generates step 2 again."""
+    from tests import faults
     out = tmp_path_factory.mktemp("again") / "run"
-    assert _run_here(_cfg(tiny_assets, out, 2, **long_prompts, **{"rollout.max_num_batched_tokens": 16384})) == 0
+    faults.install("rank:update:2")
+    try:
+        cfg = _cfg(tiny_assets, out, 2, **long_prompts, **{"rollout.max_num_batched_tokens": 16384,
+                                                           "trainer.max_restarts": 1})
+        assert _run_here(cfg) == 0
+    finally:
+        faults.uninstall()
     return Finished(out, _rows(out))
 
 
-def test_a_deterministic_run_repeats_every_metric_and_checkpoint(whole, whole_again, tmp_path):
-    """trainer.deterministic (long_prompts), the quickstart's synchronous recipe rounds: two runs of
-    one config write the same metrics.jsonl in every key but the clocks (timing/*, perf/* and the
-    CPU seconds) and memory/*, and checkpoints whose every tensor and field are equal."""
-    def stable(rows):
-        return [{k: v for k, v in r.items() if not k.startswith(("timing/", "perf/", "memory/"))
-                 and not k.endswith("cpu_s")} for r in rows]
-    assert len(whole_again.rows) == 2 and stable(whole_again.rows) == stable(whole.rows)
+def test_a_deterministic_run_killed_and_resumed_repeats_every_metric_and_checkpoint(whole, whole_again, tmp_path):
+    """trainer.deterministic (long_prompts), the quickstart's synchronous recipe rounds: a run
+    killed in step 2's update and resumed from step 1 writes what the run never killed wrote: the
+    same metrics.jsonl in every key but the clocks and memory (same_run.stable), and checkpoints
+    whose every tensor and field are equal."""
+    (event,) = [json.loads(line) for line in open(whole_again.out / "events.jsonl")]
+    assert (event["event"], event["step"]) == ("restart", 1), event
+    assert len(whole_again.rows) == 2 and same_run.stable(whole_again.rows) == same_run.stable(whole.rows)
     for step in ("step_1", "step_2"):
-        ours, again = (_checkpoint_contents(run.out / "checkpoints" / step, tmp_path / f"{i}-{step}")
-                       for i, run in enumerate((whole, whole_again)))
-        assert sorted(ours) == sorted(again) and sum(k.startswith("state/") for k in ours) > 20, sorted(ours)
-        assert not [k for k in ours if not _same(ours[k], again[k])]
+        assert not same_run.differing(whole.out, whole_again.out, step, tmp_path)
 
 
 def test_journey_train_export_evaluate_convert_back_start_and_serve(whole, tiny_assets, long_prompts, local_ray,
