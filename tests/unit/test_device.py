@@ -71,8 +71,8 @@ def test_cpu_bind_groups_for_tp_engines(monkeypatch):
     from dapo_megatron.device import cpu_bind_groups
     assert cpu_bind_groups([0, 1, 2, 3], 2) == "0,1|2,3"
     assert cpu_bind_groups([0, 1], 2) == "0|1"
-    with pytest.raises(ValueError, match="rollout.parallel.tp"):
-        cpu_bind_groups([0, 1], 4)
+    with pytest.warns(UserWarning, match=r"rollout.parallel.tp \(4\) exceeds the 2 CPU cores"):
+        assert cpu_bind_groups([0, 1], 4) == "0|1|0|1"  # a TP4 layout on two cores: shared in turn
     monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
     assert "VLLM_CPU_OMP_THREADS_BIND" not in get_device("cpu").vllm_env(1)
     assert get_device("cpu").vllm_env(2)["VLLM_CPU_OMP_THREADS_BIND"].count("|") == 1
@@ -140,6 +140,8 @@ def test_cpu_engine_kv_cache_is_what_its_requests_need(tiny_assets):
     assert spec.kv_bytes_per_token == per_token and spec.kv_cache_bytes == 96 * 512 * per_token
     assert Device("cpu").vllm_memory(spec.kv_cache_bytes) == {"kv_cache_memory_bytes": 64 << 20}  # the floor
     assert Device("cpu").vllm_memory(200 << 20) == {"kv_cache_memory_bytes": 200 << 20}
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # a worker's share of it, at most
+    assert Device("cpu").vllm_memory(host, 0.125) == {"kv_cache_memory_bytes": int(0.125 * host)}
     assert Device("cuda").vllm_memory(200 << 20) == {} == Device("npu").vllm_memory(1)
     assert "VLLM_CPU_KVCACHE_SPACE" not in Device("cpu").vllm_env()  # it would override (whole GiB)
     user = load_config("quickstart", ["+rollout.engine_kwargs.kv_cache_memory_bytes=123456789"])

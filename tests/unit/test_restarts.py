@@ -271,3 +271,22 @@ def test_a_role_that_did_not_start_is_not_restarted_and_says_why_in_one_line(tmp
     assert cli.main(["--config-name", "quickstart", "trainer.max_restarts=2", f"trainer.default_local_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert len(attempts) == 1 and [line for line in err.splitlines() if line.startswith("error:")] == [f"error: {failed}"]
+
+
+def test_a_role_killed_for_host_memory_is_one_line_naming_it():
+    """Ray's memory monitor kills a role (or what it called): one RoleDied naming the role and the
+    monitor's first line (the node's memory), not Ray's traceback."""
+    import ray
+
+    def oom():
+        raise ray.exceptions.OutOfMemoryError("1 worker(s) were killed due to the node running low on memory. "
+                                              "Memory on the node was 22.63GB used / 23.54GB limit\nTop 10 ...")
+    with pytest.raises(roles.RoleDied) as err:
+        roles.as_role("rollout engine", oom)
+    try:
+        oom()
+    except ray.exceptions.OutOfMemoryError as exc:  # a training rank's call (driver/workers.py)
+        assert roles.died("training rank 0", exc).what.startswith("the training rank 0 was killed by Ray for lack of")
+    assert str(err.value.what) == ("the rollout engine was killed by Ray for lack of host memory: 1 worker(s) were "
+                                   "killed due to the node running low on memory. Memory on the node was 22.63GB "
+                                   "used / 23.54GB limit"), err.value.what
