@@ -111,9 +111,7 @@ def get(role: str, refs):
             cause = getattr(exc, "cause", None)
             if isinstance(cause, Exception) and not isinstance(cause, ray.exceptions.RayError):
                 raise cause from None
-            if isinstance(cause, ray.exceptions.RayActorError):  # the role lives; what it called does not
-                raise died(f"actor the {role} called", cause) from None
-            if isinstance(cause, ray.exceptions.OutOfMemoryError):
-                raise cause from None
+            if isinstance(cause, (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError)):
+                raise died(f"actor the {role} called", cause) from None  # the role lives; its callee not
             raise
     return as_role(role, get_)

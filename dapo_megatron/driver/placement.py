@@ -175,7 +175,7 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
     engine_spec = EngineSpec.from_model(model_path, cfg.rollout, model=spec, dtype=cfg.model.dtype,
                                         max_model_len=max_model_len, tokenizer_path=tokenizer_path,
                                         return_routes=cfg.actor.router_replay == "rollout",
-                                        deterministic=cfg.trainer.deterministic)
+                                        deterministic=cfg.trainer.deterministic, engines=num_engines(cfg))
 
     names: list[str] = []
 

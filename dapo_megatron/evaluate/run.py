@@ -148,7 +148,8 @@ def generate(cfg, model: str, out: str, tokenizer, data, engines: int, batch: in
     ray.init(address="local", num_cpus=max(os.cpu_count() or 1, engines), include_dashboard=False,
              log_to_driver=False)
     spec = EngineSpec.from_model(model, cfg.rollout, dtype=cfg.model.dtype, tokenizer_path=model,
-                                 max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length)
+                                 max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                                 engines=engines)
     handles = [engine_actor(spec, device=device.kind, log_path=os.path.join(out, f"engine-{j}.log"),
                             **device.ray_options(1.0)) for j in range(engines)]
     # The training loop's validation sampling: val_kwargs, its seed, the chat template's stops.

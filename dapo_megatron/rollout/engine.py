@@ -56,9 +56,7 @@ class Engine:
         if spec.return_routes:
             os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         t0 = time.perf_counter()
-        # a CPU's engine workers share host memory: rollout.gpu_memory_utilization of it, split
-        share = spec.rollout.gpu_memory_utilization / max(spec.rollout.num_devices, p.tp)
-        self._llm = self._make_llm(spec, self._device.vllm_memory(spec.kv_cache_bytes, share))
+        self._llm = self._make_llm(spec, self._device.vllm_memory(spec.kv_cache_bytes, spec.host_share))
         self.startup_s = time.perf_counter() - t0
         worker = getattr(self._llm.model_executor, "driver_worker", None)
         self._worker = getattr(worker, "worker", None)  # None: workers live in other processes

