@@ -267,6 +267,10 @@ class DataPlane:
         elif keys:
             self._tq.kv_clear(keys=list(keys), partition_id=partition)
 
+    def keys(self, partition: str) -> list[str]:
+        """The keys `partition` holds now (a metadata call to the controller)."""
+        return list(self._tq.kv_list(partition).get(partition, {}))
+
     def partitions(self) -> list[str]:
         """The partitions the controller holds now."""
         return list(self._tq.get_client().get_partition_list())

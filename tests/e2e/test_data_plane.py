@@ -216,6 +216,48 @@ def test_early_stop_clears_aborted_and_filtered_groups_at_once(plane_env):
     assert plane.resident_bytes() == baseline
 
 
+class StoresThenDies(FakeEngine):
+    """Fake (no vLLM): a FakeEngine (rows keyed "doomed/...") whose process exits in the poll that
+    has just stored its first finished groups, before it answers: killed between put and reply."""
+
+    def __init__(self, data_plane, length: int):
+        from dapo_megatron.rollout.actor import GroupStore
+        super().__init__(data_plane, length)
+        self.store = GroupStore(data_plane, "doomed")
+
+    def poll(self, timeout=0.0, max_groups=None):
+        if super().poll(timeout, max_groups):
+            os._exit(1)
+        return []
+
+
+def test_rows_an_engine_stored_before_it_died_unanswered_are_cleared(plane_env):
+    """A killed engine's prompts are generated again elsewhere; the rows it stored at the poll it
+    never answered are cleared with them: the partition holds the kept batch's rows alone."""
+    ray = pytest.importorskip("ray")
+    from dapo_megatron.algo import DynamicSampler, Group
+    from dapo_megatron.data.sampler import PromptSampler
+    from dapo_megatron.rollout.collection import EarlyStop, ScoredGroup, Source, Store
+    from dapo_megatron.rollout.health import EngineHealth
+    from dapo_megatron.rollout.types import Sampling
+    handle, plane, _ = plane_env
+    engines = [ray.remote(FakeEngine).options(num_cpus=0, max_concurrency=4).remote(handle, 32, delay=0.2),
+               ray.remote(StoresThenDies).options(num_cpus=0, max_concurrency=4).remote(handle, 32)]
+    health = EngineHealth(engines, max_restarts=1)
+
+    def scorer(items, groups):
+        return [Group([float(j % 2) for j in range(N)], ScoredGroup(it, g, torch.zeros(N), torch.zeros(N, dtype=torch.bool)))
+                for it, g in zip(items, groups)]
+    data = Items(16)
+    source = Source(engines, data, PromptSampler(len(data), shuffle=False, seed=0), DynamicSampler(4, 10), scorer, 8, health)
+    result = EarlyStop(source, max_concurrent_per_engine=4 * N).collect(1, Sampling(n=N, max_tokens=32), Store("orphans", plane))
+    assert health.restarts == 1 and 1 in health.dead  # it did die, after its put
+    kept = sorted(k for g in result.groups for k in g.payload.rollout.keys)
+    assert len(kept) == 4 * N and all(k.startswith("fake/") for k in kept)
+    assert sorted(plane.keys("orphans")) == kept
+    plane.clear("orphans")
+
+
 def test_scorer_gives_the_rows_extra_info_to_a_custom_reward(plane_env, tmp_path, tiny_assets):
     """verl's reward contract through the reward worker: the dataset row's extra_info reaches
     compute_score, and the scores come back per response (metadata: none in the data plane)."""

@@ -52,6 +52,14 @@ class Store:
         if self.plane is not None and (keys is None or keys):
             self.plane.clear(self.partition, keys)
 
+    def clear_requests(self, request_ids: list[str]) -> None:
+        """Drop the rows of requests whose answer never came: an engine stores a group's rows at
+        the poll that returns it, and one killed (or hung) between the put and the reply leaves
+        them behind while its prompt is generated again elsewhere."""
+        if self.plane is not None and request_ids:
+            ids = set(request_ids)  # keys are "<engine>/<request id>/<row>"
+            self.clear([k for k in self.plane.keys(self.partition) if (k.split("/") + [""])[1] in ids])
+
 
 @dataclass
 class Source:

@@ -229,6 +229,7 @@ class Stream:
         lost = [(rid, item) for rid, (e, item) in self.in_flight.items() if e == engine]
         for rid, _ in lost:
             del self.in_flight[rid]
+        self.tokens.store.clear_requests([rid for rid, _ in lost])
         self.queued.extendleft(reversed([item for _, item in lost]))
         self.load[engine] = self.running[engine] = 0
         return len(lost)
