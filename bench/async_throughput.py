@@ -43,10 +43,11 @@ MODES = {  # name -> overrides of quickstart_async (shipped: async, max_stalenes
     "async k=2": [],
     "async k=2 drain": ["trainer.partial_rollout=false"],
 }
-# trainer.deterministic's cost: each mode it allows, again with it on (early stop in waves)
+# trainer.deterministic's cost: each mode it allows, again with it on (early stop in waves; async
+# k=1's partial rollouts in segments; k=2's would wait behind the validation: refused)
 DETERMINISTIC = " deterministic"
 MODES.update({m + DETERMINISTIC: o + ["trainer.deterministic=true"]
-              for m, o in list(MODES.items()) if m in ("sync", "one_step_off", "async k=2 drain")})
+              for m, o in list(MODES.items()) if m in ("sync", "one_step_off", "async k=1", "async k=2 drain")})
 ROLES = {"driver": "driver", "ray::EngineActor": "engine", "ray::TrainWorker": "rank", "ray::RolloutManager": "manager"}
 WARMUP = 2
 

@@ -296,8 +296,11 @@ class TrainerConfig:
     # checkpoints: early-stop collection keeps groups in prompt order (waves it waits for, not the
     # first to finish), a save drains the batches asked ahead (so a resume equals the run never
     # stopped), and the device's deterministic kernels and collectives are on
-    # (device/__init__.py). Async with partial rollouts is refused (where a push lands is timing).
+    # (device/__init__.py). Async with partial rollouts: a response generates segment_tokens
+    # tokens under each version before its batch's own, then waits for the push (the push waits
+    # for every response to reach a segment's end or finish), so where a push lands is the step's.
     deterministic: bool = False
+    segment_tokens: Optional[int] = None  # null: data.max_response_length // (max_staleness + 1)
     total_training_steps: Optional[int] = None  # null: derived from total_epochs
     total_epochs: int = 1
     save_freq: int = -1  # -1: only at the end / on SIGTERM
@@ -334,6 +337,11 @@ class TrainerConfig:
         """async with partial rollouts: the groups in flight when a batch fills go on generating
         into the next batches, across weight pushes (the rollout manager collects beside the sync)."""
         return self.mode == "async" and self.partial_rollout
+
+    def segment_length(self, max_response_length: int) -> int:
+        """trainer.deterministic with partial rollouts: the tokens per version a response of a
+        batch asked ahead generates before the push its batch trains after."""
+        return self.segment_tokens or max(max_response_length // (self.max_staleness + 1), 1)
 
     def parts(self, train_batch_size: int, ppo_mini_batch_size: int) -> int:
         """Mini-batches a step's batch is handed over in: each as its groups are in when streamed."""

@@ -361,14 +361,35 @@ def _check_mode(cfg: DapoConfig) -> None:
         _require(not (t.carries_in_flight and t.stale_strategy == "wait"), "trainer.stream_minibatches",
                  "trainer.stale_strategy=wait puts the oldest groups first once the batch is full, after "
                  "streamed mini-batches have trained: use trainer.stale_strategy=drop")
-    _require(not (t.deterministic and t.carries_in_flight), "trainer.deterministic",
-             "trainer.deterministic: with trainer.partial_rollout=true a weight push reaches the responses in flight "
-             "at whatever token they reached, which is timing: set trainer.partial_rollout=false (pushes wait for "
-             "the batches in flight) or trainer.mode=sync / one_step_off")
+    _check_segments(cfg)
     # async streams prompts to the engines; recipe rounds would wait for each round's tail
     _require(t.mode != "async" or cfg.algorithm.filter_groups.mode == "early_stop", "algorithm.filter_groups.mode",
              "trainer.mode=async streams prompts (early-stop dynamic sampling): set "
              "algorithm.filter_groups.mode=early_stop")
+
+
+def _check_segments(cfg: DapoConfig) -> None:
+    """trainer.deterministic with async partial rollouts: waves whose responses wait for each push
+    at a segment's end (rollout/features.py's `Segments`). What acts on carried groups, or makes
+    which groups reach an engine before a push a matter of timing, does not apply there."""
+    t = cfg.trainer
+    on = t.deterministic and t.carries_in_flight
+    _require(t.segment_tokens is None or (on and t.segment_tokens > 0), "trainer.segment_tokens",
+             f"trainer.segment_tokens={t.segment_tokens} is the tokens per push of a deterministic run's partial "
+             "rollouts: it needs trainer.deterministic=true, trainer.mode=async, trainer.partial_rollout=true and a "
+             "value > 0 (null: data.max_response_length // (max_staleness + 1))")
+    if not on:
+        return
+    why = "trainer.deterministic with partial rollouts generates in waves held at each push"
+    _require(t.max_staleness == 1 or t.test_freq <= 0, "trainer.max_staleness",
+             f"{why}: trainer.max_staleness={t.max_staleness} would hold a batch for a push that comes after a "
+             "validation queued behind it; set trainer.max_staleness=1 or trainer.test_freq=0")
+    for key, value, off in (("trainer.stale_share", t.stale_share, None), ("trainer.stale_strategy", t.stale_strategy, "drop"),
+                            ("trainer.stream_minibatches", t.stream_minibatches, False),
+                            ("rollout.multi_turn.enable", cfg.rollout.multi_turn.enable, False),
+                            ("rollout.admission", cfg.rollout.admission, "groups")):
+        shown = "null" if off is None else str(off).lower()
+        _require(value == off, key, f"{why}: {key}={value} does not apply there; set {key}={shown}")
 
 
 def _check_offload(cfg: DapoConfig) -> None:

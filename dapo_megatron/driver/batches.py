@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import ray
+
+from dapo_megatron import roles
 from dapo_megatron.driver.metrics import staleness
 from dapo_megatron.driver.recovery import wait_manager
 
@@ -56,6 +59,18 @@ class Batches:
         if t.deterministic and t.save_freq > 0:
             until = min(until, -(-(self.step + 1) // t.save_freq) * t.save_freq)
         return until
+
+    def wait_before_push(self) -> None:
+        """The batches asked ahead finished on the weights the engines hold; under
+        trainer.deterministic with partial rollouts, until one waits for this push, each response
+        at its segment's end or finished (the later ones start only after it)."""
+        manager, segments = self.ctx.manager, self.cfg.trainer.carries_in_flight
+        for request in self.pending:
+            until = (lambda s=request.step: roles.get("rollout manager", manager.waiting_for_push.remote(s))) \
+                if segments else None
+            wait_manager(self, request.last, get=False, until=until)
+            if segments and not ray.wait([request.last], timeout=0)[0]:
+                return  # it waits for this push: the later ones start after it
 
     def _request(self, step: int) -> Request:
         """Every part of step `step`'s batch asked at once: the manager's calls run in order."""

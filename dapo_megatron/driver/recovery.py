@@ -29,19 +29,28 @@ ROLE_NAMES = {"TrainWorker": "training rank", "EngineActor": "rollout engine", "
               "TransferQueueController": "data plane's controller", "SimpleStorageUnit": "data plane's storage unit"}
 UNEXPECTED = {"WORKER_DIED", "NODE_DIED"}  # not a ray.kill, an exit or a handle gone out of scope
 KEPT = ("the rollout engines", "the rollout manager", "the data plane")  # what `keep_roles` keeps
+UNTIL_S = 0.05  # wait_manager's `until`: how often it is asked
 KEEP_CHECK_S = 20.0  # how long the kept roles (and Ray's record of the dead rank) may take to answer
 
 
-def wait_manager(run, ref, get: bool = True):
+def wait_manager(run, ref, get: bool = True, until=None):
     """roles.get of a manager call that collects (a batch), replacing engines that die meanwhile;
-    get=False: only until it is done (its errors are the taker's)."""
-    if not run.cfg.rollout.max_engine_restarts:
+    get=False: only until it is done (its errors are the taker's). until(): asked every
+    UNTIL_S while the call runs; True ends the wait (None returned, the call still running)."""
+    restarts = run.cfg.rollout.max_engine_restarts
+    if not restarts and until is None:
         return roles.get("rollout manager", ref) if get else roles.wait([ref], 1)
     while True:
-        if run.deaths is None:
+        if restarts and run.deaths is None:
             run.deaths = run.ctx.manager.engine_deaths.remote(POLL_S)
-        roles.wait([ref, run.deaths], 1)
-        if ray.wait([run.deaths], timeout=0)[0]:
+        refs = [ref, run.deaths] if restarts else [ref]
+        if until is None:
+            roles.wait(refs, 1)
+        elif not ray.wait(refs, num_returns=1, timeout=UNTIL_S)[0]:
+            if until():
+                return None
+            continue
+        if restarts and ray.wait([run.deaths], timeout=0)[0]:
             deaths, run.deaths = roles.get("rollout manager", run.deaths), None
             for death in deaths:
                 replace(run, death)
@@ -137,7 +146,11 @@ def replace_lost_in_sync(run, lost: list[int]) -> None:
 
 def drop_pending(run) -> None:
     """Batches generated but never trained (the run ended, stopped or restarts): their rows go;
-    their prompts are back in the stream of any checkpoint saved since (`Trainer.state_dict`)."""
+    their prompts are back in the stream of any checkpoint saved since (`Trainer.state_dict`). A
+    deterministic run's partial rollouts held for a push that will not come go on to their end."""
+    t = run.cfg.trainer
+    if run.pending and t.deterministic and t.carries_in_flight:
+        ray.wait(refs := [e.end_segments.remote() for e in run.ctx.engines], num_returns=len(refs), timeout=KEEP_CHECK_S)
     while run.pending:
         _, _, step = wait_manager(run, run.pending.popleft().last)  # the whole batch, once all its parts are
         if step is not None:
@@ -166,7 +179,8 @@ def keep_roles(run, died: roles.RoleDied) -> Optional[Kept]:
     collective with the dead one until trainer.dist_timeout_s)."""
     cfg, ctx = run.cfg, run.ctx
     rank = getattr(died, "rank", None)
-    if rank is None or not _sync_keeps(run) or run.checkpoint is None or cfg.trainer.carries_in_flight:
+    carried = cfg.trainer.carries_in_flight and not cfg.trainer.deterministic  # (segments end in drop_pending)
+    if rank is None or not _sync_keeps(run) or run.checkpoint is None or carried:
         return None
     if death_reason(rank, KEEP_CHECK_S) != "WORKER_DIED":
         return None

@@ -178,10 +178,10 @@ class Trainer(Moments, Batches):
         """The step's weights into the engines, once the batches in flight that must finish on
         the old ones have (unless they are carried); an engine lost in it is replaced after."""
         self.share.before_sync(self)
-        if self.pending and not self.cfg.trainer.carries_in_flight:
-            with self.timed("sync_wait"):  # the batches in flight finish on the old weights (drain)
-                for request in self.pending:
-                    wait_manager(self, request.last, get=False)
+        t = self.cfg.trainer
+        if self.pending and (t.deterministic or not t.carries_in_flight):
+            with self.timed("sync_wait"):  # the batches in flight finish on the old weights (drain),
+                self.wait_before_push()  # or reach the push's point in them (deterministic segments)
         lost = [] if replaces_in_sync(self.cfg) else None  # engines that die in the sync (the rest synced)
         with hooks.at("driver.sync", step=self.step + 1, ctx=self.ctx), self.timed("sync"), self.in_sync("step"):
             self.syncs += 1

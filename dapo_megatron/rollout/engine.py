@@ -27,6 +27,7 @@ from dapo_megatron.rollout.features import features_for
 from dapo_megatron.rollout.owner import OwnerThread
 from dapo_megatron.rollout.requests import Requests
 from dapo_megatron.rollout.types import RolloutGroup, Sampling
+from dapo_megatron.rollout.worker_ext import safetensors_bytes
 from dapo_megatron.weights.checksum import merge_checksums
 from dapo_megatron.weights.transport import TRANSPORTS
 
@@ -99,12 +100,11 @@ class Engine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
-        params = SamplingParams(
+        params = SamplingParams(  # deltas: an aborted response keeps its tokens
             n=1, temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
             max_tokens=max_tokens or sampling.max_tokens, seed=sampling.child_seed(ids, i),
             stop_token_ids=[] if sampling.ignore_eos else list(sampling.stop_token_ids), ignore_eos=sampling.ignore_eos,
-            logprobs=0, detokenize=False,
-            output_kind=RequestOutputKind.DELTA)  # deltas: an aborted response keeps its tokens
+            logprobs=0, detokenize=False, output_kind=RequestOutputKind.DELTA)
         self._llm.add_request(request_id, TokensPrompt(prompt_token_ids=ids, **inputs), params)
 
     # ---- requests ----------------------------------------------------------------------------
@@ -171,6 +171,16 @@ class Engine:
         (rollout.admission=responses)."""
         return self._call(lambda: sum(len(live.children) - len(live.done) for live in self._requests.live.values()))
 
+    def waiting_for_push(self) -> Optional[int]:
+        """The version under which every group in flight is held for the next push, none finished
+        unpolled (features.py's `Segments`)."""
+        version = self._call(self._requests.features["segments"].waiting_version)
+        with self._held_lock:
+            return version if self._results.empty() and not self._held else None
+
+    def end_segments(self) -> None:  # no push will come (the run stops): held responses go on to their end
+        self._call(self._requests.features["segments"].end)
+
     def tokens_in_flight(self) -> int:
         """Response tokens generated so far by the groups in flight."""
         return self._call(lambda: sum(len(r) for live in self._requests.live.values() for r in live.group.responses))
@@ -225,7 +235,7 @@ class Engine:
             self.begin_weight_update()
             self.load_weights(bucket)
             return self.finish_weight_update()
-        payload = bucket if self.weight_transport == "tensors" else _to_bytes(bucket)
+        payload = bucket if self.weight_transport == "tensors" else safetensors_bytes(bucket)
         return self._call(lambda: self._worker_call("weight_sync_load", payload))
 
     def receive_weights(self, address: tuple[str, int], rank: int, size: int) -> int:
@@ -260,10 +270,9 @@ class Engine:
         """The whole protocol once for several buckets: pause -> load each -> finish -> resume."""
         self.begin_weight_update()
         try:
-            n = sum(self.load_weights(b) for b in buckets)
+            return sum(self.load_weights(b) for b in buckets)
         finally:
             self.finish_weight_update()
-        return n
 
     def _worker_call(self, method: str, *args):
         """One worker in-process: call it directly; several: collective_rpc (rank 0's answer)."""
@@ -289,8 +298,3 @@ class Engine:
         self._requests.close()
         self._owner.stop()
         self._llm.engine_core.shutdown()
-
-
-def _to_bytes(bucket: list[tuple[str, torch.Tensor]]) -> bytes:
-    from safetensors.torch import save
-    return save({name: t.detach().contiguous().cpu() for name, t in bucket})

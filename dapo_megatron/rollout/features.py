@@ -1,5 +1,6 @@
 """The request features of an engine, each a `Feature` (rollout/requests.py) and a row of
-`features_for`: images of vision-language prompts, routed experts, tool turns (multiturn.py)."""
+`features_for`: images of vision-language prompts, routed experts, tool turns (multiturn.py),
+segments (a deterministic run's partial rollouts)."""
 from __future__ import annotations
 
 from typing import Callable
@@ -16,7 +17,8 @@ def features_for(spec: EngineSpec, requests: Requests, post: Callable[[Callable]
     """The features `spec` turns on, by name. post(fn): run fn on the engine's loop thread."""
     on = {"images": Images(spec),  # a text-only engine refuses image prompts
           "routes": RoutedExperts(spec.num_layers, spec.top_k) if spec.return_routes else None,
-          "tools": ToolTurns(spec, requests, post) if spec.multi_turn else None}
+          "tools": ToolTurns(spec, requests, post) if spec.multi_turn else None,
+          "segments": Segments(requests)}  # idle unless a request's sampling asks for segments
     return {name: f for name, f in on.items() if f is not None}
 
 
@@ -87,3 +89,69 @@ class RoutedExperts(Feature):
         live.group.routed_experts[i] = (np.full((0, self.layers, self.top_k), -1, dtype=np.int16) if routes is None
                                         else np.asarray(routes).astype(np.int16))
         return False
+
+
+class Segments(Feature):
+    """trainer.deterministic with partial rollouts (Sampling.segment_tokens): before the policy
+    version its batch trains from (Sampling.free_version), a response generates at most
+    segment_tokens tokens under each version, then is held until the next push sends it on: a
+    new request whose prompt is the prompt and the tokens so far (its seed from them, so a held
+    response goes on the same way in every run). Where a push lands in a response is then fixed
+    by the step, not by timing; the trainer pushes once every response is held or finished
+    (`Engine.waiting_for_push`)."""
+
+    def __init__(self, requests: Requests):
+        self.requests = requests
+        self.held: dict[str, list[int]] = {}  # group id -> its children waiting for the push
+        self.ended = False  # `end`: no push will come (until the next: a restart that kept the engine)
+
+    def on_add(self, live: _Live, prompt: Prompt) -> None:
+        if live.sampling.segment_tokens:
+            live.state["segment_ids"] = list(prompt.ids)  # as vLLM takes them (one pad per image)
+            live.max_tokens = self._budget(live, 0)
+            live.state["segment_ends"] = [live.max_tokens] * len(live.children)
+
+    def _budget(self, live: _Live, i: int) -> int:
+        s = live.sampling
+        left = s.max_tokens - len(live.group.responses[i])
+        return left if self.ended or self.requests.version >= s.free_version else min(s.segment_tokens, left)
+
+    def on_finish(self, live: _Live, i: int, completion) -> bool:
+        """Held: the request ended at its segment's end, short of the response's max_tokens (a
+        stop token, or vLLM's own length limit, ends the response)."""
+        s, length = live.sampling, len(live.group.responses[i])
+        if not s.segment_tokens or completion.finish_reason != "length" or length >= s.max_tokens \
+                or length != live.state["segment_ends"][i]:
+            return False
+        live.children[i] = None
+        self.held.setdefault(live.group.request_id, []).append(i)
+        return True
+
+    def on_done(self, live: _Live, i: int) -> None:
+        held = self.held.get(live.group.request_id, [])
+        if i in held:  # aborted while held
+            held.remove(i)
+
+    def on_version(self, version: int) -> None:
+        self.ended = False
+        self._send_on()
+
+    def _send_on(self) -> None:
+        """Every held response on to its next segment's end (or its own)."""
+        held, self.held = self.held, {}
+        for group_id, children in held.items():
+            live = self.requests.live.get(group_id)
+            for i in children if live is not None else ():
+                budget = self._budget(live, i)
+                live.state["segment_ends"][i] = len(live.group.responses[i]) + budget
+                self.requests.submit_child(live, i, f"{group_id}#{i}@{len(live.group.responses[i])}",
+                                           live.state["segment_ids"] + live.group.responses[i], budget)
+
+    def end(self) -> None:
+        """The run stops with batches asked ahead: no push will come, held responses go on to their end."""
+        self.ended = True
+        self._send_on()
+
+    def waiting_version(self) -> int | None:
+        """The version under which responses are held for the next push and none generates."""
+        return self.requests.version if any(self.held.values()) and not self.requests.generating() else None

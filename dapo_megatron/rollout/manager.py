@@ -176,6 +176,9 @@ class RolloutManager:
         store = Store(partition, self.plane, between=self._publisher(step, partition) if stream else self._release_deferred)
         sampling = self._sampling(Sampling.from_config(cfg.rollout, cfg.data.max_response_length,
                                                        seed=cfg.rollout.seed + step - 1))
+        if cfg.trainer.deterministic and cfg.trainer.carries_in_flight:  # partial rollouts in segments
+            sampling = dataclasses.replace(sampling, segment_tokens=cfg.trainer.segment_length(cfg.data.max_response_length),
+                                           free_version=step - 1)
         try:
             with hooks.at("manager.collect", step=step, engines=self.engines):  # a test's faults
                 collected = as_role("rollout engine", self.collection.collect, step, sampling, store)
@@ -270,6 +273,13 @@ class RolloutManager:
         """The driver pushed policy `version` into the engines: a collection bounding its stale
         share (trainer.stale_share) starts fresh groups from now on."""
         self.source.version = version
+
+    @ray.method(concurrency_group="control")
+    def waiting_for_push(self, step: int) -> bool:
+        """trainer.deterministic with partial rollouts: step's collection can go no further under the
+        weights the engines hold (each response at its segment's end or finished), so a push lands
+        where it would in any run."""
+        return self.source.held == (step, self.source.version)
 
     @ray.method(concurrency_group="control")
     def state_dict(self, before: Optional[int] = None) -> dict:

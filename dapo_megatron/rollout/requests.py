@@ -27,6 +27,7 @@ class _Live:
     inputs: dict = field(default_factory=dict)
     state: dict = field(default_factory=dict)
     done: set = field(default_factory=set)
+    max_tokens: Optional[int] = None  # the first requests' budget, where a feature bounds it (None: sampling's)
 
 
 class Feature:
@@ -45,6 +46,9 @@ class Feature:
 
     def on_done(self, live: _Live, i: int) -> None:
         """Child i is done (finished or aborted): write what the feature kept into the group."""
+
+    def on_version(self, version: int) -> None:
+        """The weights changed (policy `version`), the groups' version spans already updated."""
 
     def close(self) -> None:
         """The engine shuts down."""
@@ -78,7 +82,7 @@ class Requests:
             f.on_add(live, prompt)
         self.live[request_id] = live
         for i, child in enumerate(live.children):
-            self.submit_child(live, i, child, ids)
+            self.submit_child(live, i, child, ids, live.max_tokens)
 
     def new_version(self, version: int) -> None:
         """The weights changed between two engine steps: the tokens each unfinished response gets
@@ -93,6 +97,13 @@ class Requests:
                     spans.pop()
                 if not spans or spans[-1][0] != version:
                     spans.append((version, start))
+        for f in self.features.values():
+            f.on_version(version)
+
+    def generating(self) -> int:
+        """Responses with a vLLM request running (not finished, not held by a feature)."""
+        return sum(c is not None and i not in live.done for live in self.live.values()
+                   for i, c in enumerate(live.children))
 
     def submit_child(self, live: _Live, i: int, request_id: str, ids: list[int],
                      max_tokens: Optional[int] = None) -> None:

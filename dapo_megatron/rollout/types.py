@@ -26,6 +26,11 @@ class Sampling:
     seed: Optional[int] = None  # None: nondeterministic; else per response from (seed, prompt, i)
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # sample past EOS and the stop tokens, to max_tokens
+    # trainer.deterministic with partial rollouts (rollout/features.py's `Segments`): under each
+    # policy version before `free_version` (the one its batch trains from) a response generates
+    # at most segment_tokens tokens, then waits for the next push; 0: no segments
+    segment_tokens: int = 0
+    free_version: int = 0
 
     @classmethod
     def from_config(cls, cfg, max_tokens: int, seed: Optional[int] = None) -> "Sampling":

@@ -288,3 +288,9 @@ class WeightSyncExtension:
         """Copies of the named HF tensors as the engine holds them (debugging and tests)."""
         wanted = set(names)
         return {n: t.clone() for n, t in hf_named_tensors(self.model_runner.get_model()) if n in wanted}
+
+
+def safetensors_bytes(bucket: list[tuple[str, torch.Tensor]]) -> bytes:
+    """A bucket as safetensors bytes: what `weight_sync_load` reads from a worker in another process."""
+    from safetensors.torch import save
+    return save({name: t.detach().contiguous().cpu() for name, t in bucket})

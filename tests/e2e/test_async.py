@@ -11,9 +11,10 @@ model.load_checkpoint: a Megatron checkpoint whose weights are not model.path's.
 async (the config as shipped: two batches ahead, partial rollouts, early-stop sampling; verl's
 DPPO-TV loss): killed -9 in step 3's update (the engine generating the next batches meanwhile),
 then resumed to step 4.
-deterministic_pair: one_step_off under trainer.deterministic, 4 steps, a checkpoint every second,
-run twice: never killed, and its training rank killed -9 in step 3's update and in step 4's weight
-push; both write the same.
+deterministic_pair: async with partial rollouts under trainer.deterministic (one batch ahead, its
+responses held at 3 tokens for each push), 4 steps, a checkpoint every second, run twice: never
+killed, and its training rank killed -9 in step 3's update and in step 4's weight push; both
+write the same.
 """
 from __future__ import annotations
 
@@ -148,10 +149,13 @@ def test_a_dead_rank_restarts_alone_and_drops_the_batch_asked_ahead(one_step_off
     assert rows[-1]["data_plane/resident_mb"] == 0 < rows[0]["data_plane/resident_mb"]
 
 
-# trainer.deterministic in one_step_off with early-stop sampling (quickstart_async's: the waves of
-# rollout/collection/stream.py), a checkpoint every second step: the batch after a save is asked
-# once it is saved (a save drains), so that a resume from it generates what the run did.
-DETERMINISTIC = {"trainer.deterministic": "true", "trainer.mode": "one_step_off", "trainer.max_staleness": 1,
+# trainer.deterministic in async with partial rollouts and early-stop sampling (quickstart_async's:
+# the waves of rollout/collection/stream.py, each response of the batch asked ahead held for the
+# push at 3 tokens: rollout/features.py's Segments), a checkpoint every second step: the batch
+# after a save is asked once it is saved (a save drains), so that a resume from it generates what
+# the run did. (The drained modes, one_step_off and async without partial rollouts, are this
+# with segments as long as the responses.)
+DETERMINISTIC = {"trainer.deterministic": "true", "trainer.max_staleness": 1, "trainer.segment_tokens": 3,
                  "data.gen_batch_size": 6, "trainer.save_freq": 2, "trainer.test_freq": 0, "trainer.max_restarts": 2}
 
 
@@ -178,15 +182,17 @@ def deterministic_pair(tiny_assets, tmp_path_factory, local_ray):
             (killed, _deterministic(tiny_assets, killed, "rank:update:3", "rank:sync:4")))
 
 
-def test_one_step_off_killed_and_resumed_equals_the_run_never_killed(deterministic_pair, tmp_path):
+def test_partial_rollouts_killed_and_resumed_equal_the_run_never_killed(deterministic_pair, tmp_path):
     from tests import same_run
     (never, rows), (killed, rows_killed) = deterministic_pair
     events = [json.loads(line) for line in open(killed / "events.jsonl")]
     assert [(e["event"], e["step"], e["checkpoint"]) for e in events] == \
         [("restart", s, str(killed / "checkpoints" / "step_2")) for s in (2, 3)], events  # (`step`: the last logged)
-    # steps 2 and 4 were generated one push behind while the step before trained; step 3 after
-    # step 2's save: nothing was asked past it, so its sync waited for nothing
+    # steps 2 and 4 were generated while the step before trained, their pushes landing 3 tokens
+    # into the responses still running (partial); step 3 after step 2's save: nothing was asked
+    # past it, so its sync waited for nothing
     assert [r["rollout/staleness_max"] for r in rows] == [0.0, 1.0, 0.0, 1.0], rows
+    assert [r["rollout/partial_frac"] > 0 for r in rows] == [False, True, False, True], rows
     assert ["timing/sync_wait" in r for r in rows] == [True, False, True, False], rows
     assert all(r["sampling/aborted_groups"] == 0 for r in rows)  # waves: nothing aborted
     assert len(rows_killed) == 4 and same_run.stable(rows_killed) == same_run.stable(rows)

@@ -7,6 +7,7 @@ after the push must equal HF transformers running the pushed weights.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import pytest
@@ -211,6 +212,50 @@ def test_a_push_mid_generation_gives_the_response_two_versions(setup):
     # the other version's log-probs differ on each span: the check can fail
     assert (got[k:] - hf_logprobs(models["A"], group.prompt, response)[k:]).abs().max() > 1e-2
     _push(engine, sds["A"])
+
+
+def _held(engine, version, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while engine.waiting_for_push() != version and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert engine.waiting_for_push() == version and engine.poll() == []
+
+
+def test_segments_hold_each_response_for_the_push_at_a_fixed_token(setup):
+    """trainer.deterministic with partial rollouts: before its batch's own version a response
+    generates segment_tokens tokens under each, then waits for the push (none polled meanwhile);
+    a push sends it on from there, over its whole context with the new weights. Twice through the
+    same pushes gives the same tokens and log-probs. With no push to come, `end_segments` lets it end."""
+    from dapo_megatron.rollout.types import Sampling
+    from dapo_megatron.tools.check_sync.run import hf_logprobs
+    engine, sds, models = setup["engine"], setup["state_dicts"], setup["models"]
+    engine.update_weights(_buckets(sds["A"]))
+    runs = []
+    for k in range(2):
+        v0 = engine.version
+        seg = Sampling(n=2, temperature=1.0, max_tokens=30, seed=5, ignore_eos=True, segment_tokens=8, free_version=v0 + 2)
+        engine.submit(f"seg-{k}", RECORDS[3], seg, index=0)
+        _held(engine, v0)
+        assert engine.tokens_in_flight() == 2 * 8
+        engine.update_weights(_buckets(sds["B"]))
+        _held(engine, v0 + 1)
+        assert engine.tokens_in_flight() == 2 * 16
+        engine.update_weights(_buckets(sds["A"]))  # its batch's version: no more holding
+        [group] = _poll_all(engine, 1)
+        assert group.version_spans == [[(v0, 0), (v0 + 1, 8), (v0 + 2, 16)]] * 2, group.version_spans
+        runs.append((group.responses, group.rollout_logprobs))
+    assert runs[0] == runs[1] and runs[0][0][0] != runs[0][0][1]
+    for response, logprobs in zip(*runs[0]):
+        got = torch.tensor(logprobs)
+        assert len(response) == 30
+        for weights, span in (("A", slice(0, 8)), ("B", slice(8, 16)), ("A", slice(16, None))):
+            expected = hf_logprobs(models[weights], list(RECORDS[3].ids), response)
+            torch.testing.assert_close(got[span], expected[span], atol=2e-4, rtol=0, msg=f"span of {weights}")
+    engine.submit("seg-end", RECORDS[3], dataclasses.replace(seg, free_version=engine.version + 5), index=0)
+    _held(engine, engine.version)
+    engine.end_segments()  # sticky: the last use of segments on this module's engine
+    [group] = _poll_all(engine, 1)
+    assert [len(r) for r in group.responses] == [30, 30]
 
 
 def _poll_all(engine, count, timeout=60.0):

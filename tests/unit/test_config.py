@@ -125,20 +125,29 @@ def test_the_correction_is_on_by_default_where_trained_tokens_can_be_off_policy(
     assert load_config("quickstart").actor.rollout_correction.is_level is None
 
 
-@pytest.mark.parametrize("overrides,ok", [
-    (["trainer.deterministic=true"], False),  # async with partial rollouts: where a push lands is timing
-    (["trainer.deterministic=true", "trainer.partial_rollout=false"], True),  # pushes wait: drain
-    (["trainer.deterministic=true", "trainer.mode=one_step_off", "trainer.max_staleness=1"], True),
+@pytest.mark.parametrize("overrides,refused", [
+    (["trainer.deterministic=true", "trainer.partial_rollout=false"], None),  # pushes wait: drain
+    (["trainer.deterministic=true", "trainer.mode=one_step_off", "trainer.max_staleness=1"], None),
+    # partial rollouts in segments: 16 // (1 + 1) tokens per push, or as set
+    (["trainer.deterministic=true", "trainer.max_staleness=1"], None),
+    (["trainer.deterministic=true", "trainer.test_freq=0", "trainer.segment_tokens=5"], None),
+    # two batches ahead: one held for a push behind a validation queued after it
+    (["trainer.deterministic=true"], "trainer.max_staleness"),
+    (["trainer.deterministic=true", "trainer.max_staleness=1", "trainer.stale_share=0.5"], "trainer.stale_share"),
+    (["trainer.deterministic=true", "trainer.max_staleness=1", "rollout.admission=responses"], "rollout.admission"),
+    (["trainer.segment_tokens=8"], "trainer.segment_tokens"),  # read only by deterministic partial rollouts
+    (["trainer.deterministic=true", "trainer.max_staleness=1", "trainer.segment_tokens=0"], "trainer.segment_tokens"),
 ])
-def test_deterministic_refuses_only_partial_rollouts(overrides, ok):
-    """trainer.deterministic on quickstart_async (async, early stop): every mode but the one whose
-    pushes land mid-response; the refusal is one line naming the key."""
-    if ok:
-        assert load_config("quickstart_async", overrides).trainer.deterministic
+def test_deterministic_partial_rollouts_in_segments(overrides, refused):
+    """trainer.deterministic on quickstart_async (async, early stop), every mode: with partial
+    rollouts a push lands at a segment's end; what does not apply there is one line naming its key."""
+    if refused is None:
+        t = load_config("quickstart_async", overrides).trainer
+        assert t.deterministic and t.segment_length(16) == (t.segment_tokens or 16 // (t.max_staleness + 1))
         return
     with pytest.raises(ConfigError) as err:
         load_config("quickstart_async", overrides)
-    assert err.value.key == "trainer.deterministic" and len(str(err.value).splitlines()) == 1, str(err.value)
+    assert err.value.key == refused and len(str(err.value).splitlines()) == 1, str(err.value)
 
 
 @pytest.mark.parametrize("overrides,ok", [

@@ -5,7 +5,9 @@ rounds.py  recipe rounds (filter_groups.mode=sync): whole rounds of gen_batch_si
 stream.py  streaming early stop (filter_groups.mode=early_stop): prompts as capacity frees, the
            rest aborted once the batch is full, their prompts back in the stream.
 carry.py   asynchronous carrying (trainer.mode=async, partial_rollout): what is in flight when the
-           batch fills goes on into the next collections, within trainer.max_staleness.
+           batch fills goes on into the next collections, within trainer.max_staleness. Under
+           trainer.deterministic, waves instead, whose responses wait for each push at a
+           segment's end (rollout/features.py's `Segments`).
 
 Engines are Ray actor handles with the `rollout.Engine` methods, called with the step's
 data-plane partition: they store each group's tokens there and return `StoredGroup`s (keys and
@@ -33,7 +35,7 @@ def build(cfg: DapoConfig, source: Source) -> Collection:
     if cfg.algorithm.filter_groups.mode != "early_stop":
         return Rounds(source)
     by_responses = cfg.rollout.admission == "responses"
-    if cfg.trainer.carries_in_flight:
+    if cfg.trainer.carries_in_flight and not cfg.trainer.deterministic:  # deterministic: segments, in waves
         return Carrying(source, cfg.rollout.max_concurrent_per_engine, Staleness.from_config(cfg.trainer),
                         by_responses=by_responses)
     return EarlyStop(source, cfg.rollout.max_concurrent_per_engine, by_responses=by_responses,

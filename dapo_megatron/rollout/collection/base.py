@@ -75,6 +75,9 @@ class Source:
     # the policy version the engines hold, as the driver last said (manager.pushed, its control
     # thread; a collecting thread reads it): carrying's stale share waits on it
     version: int = 0
+    # (step, version): that step's collection waits for the push after `version`, every response
+    # held at its segment's end or finished (Sampling.segment_tokens); the driver's push may land
+    held: tuple[int, int] | None = None
 
 
 class Collection(Protocol):

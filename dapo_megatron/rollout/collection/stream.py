@@ -26,9 +26,11 @@ class EarlyStop:
         self.source, self.max_concurrent_per_engine, self.poll_s = source, max_concurrent_per_engine, poll_s
         self.by_responses = by_responses  # rollout.admission=responses
         self.in_order = in_order  # trainer.deterministic: waves, kept in prompt order (`fill_in_waves`)
+        self.step = 0  # of the collection under way
 
     def collect(self, step: int, sampling: Sampling, store: Store) -> Collected:
         run = self.stream(sampling, Tokens(store))
+        self.step = step
         self.fill(run)
         returned, run.tokens.aborted = run.abort_all()
         return self.end(run, returned)
@@ -78,7 +80,12 @@ class EarlyStop:
             wave = [run.queued.popleft() for _ in range(int(min(len(run.queued), need)))]
             if not wave:
                 break  # round budget spent: train on what was kept
-            self.score(run, run.generate_wave(wave), None)
+            self.score(run, run.generate_wave(wave, self._held if run.sampling.segment_tokens else None), None)
+        s.held = None
+
+    def _held(self, version: int | None) -> None:
+        """Segments: the wave waits for the push after `version` (None: it generates)."""
+        self.source.held = None if version is None else (self.step, version)
 
     def submit(self, run: "Stream", limit: float) -> bool:
         """Submit what `limit` allows; True when prompts were held back for a reason other than
@@ -152,15 +159,20 @@ class Stream:
             if len(self._answers(calls)) == len(calls):
                 return
 
-    def generate_wave(self, wave: list[PromptItem]) -> list[tuple[PromptItem, StoredGroup]]:
+    def generate_wave(self, wave: list[PromptItem], held=None) -> list[tuple[PromptItem, StoredGroup]]:
         """Every prompt of `wave` generated (submitted as capacity frees, again elsewhere when an
-        engine dies), the groups returned in the wave's order; the rest of the queue waits."""
+        engine dies), the groups returned in the wave's order; the rest of the queue waits.
+        held(version): told, after each poll that brought nothing, whether the wave waits for a
+        push (segments: `waiting_for_push`)."""
         rest, self.queued = self.queued, deque(wave)
         done = []
         try:
             while self.queued or self.in_flight:
                 self.submit_ready(len(wave))
-                done += self.poll(timeout=0.05)
+                got = self.poll(timeout=0.05)
+                if held is not None and self.in_flight:
+                    held(None if got else self.waiting_for_push())
+                done += got
         finally:
             self.queued = rest
         position = {id(item): k for k, item in enumerate(wave)}
@@ -219,6 +231,18 @@ class Stream:
             except ray.exceptions.GetTimeoutError:
                 self.health.hung(e, limit, self._requeue(e))
         return out
+
+    def waiting_for_push(self) -> int | None:
+        """The version under which every engine with groups in flight waits for the next push
+        (`Engine.waiting_for_push`), else None. Waiting is not silence: no hang is counted."""
+        asked = [e for e in self._alive() if self.load[e]]
+        answers = self._answers({e: self.engines[e].waiting_for_push.remote() for e in asked})
+        versions = set(answers.values())
+        if len(answers) < len(asked) or len(versions) != 1 or None in versions:
+            return None
+        for e in asked:
+            self.progress[e] = time.monotonic()
+        return versions.pop()
 
     def _taken(self, e: int) -> int:
         """Engine e's slots in use: n per group in flight, or its unfinished responses (by_responses)."""
