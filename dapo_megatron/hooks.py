@@ -4,6 +4,7 @@ the point and passes what it knows there; nothing runs unless a hook was install
 (tests/faults.py installs them; the package reads no test setting).
 
     driver.update, driver.sync  (step, ctx)      around a step's update / weight push, in the driver
+    driver.save  (step, ctx)                     around the save of step's checkpoint, in the driver
     manager.collect             (step, engines)  as the rollout manager starts a step's collection
 
 A hook for a role's process gets there through Ray's worker_process_setup_hook: `worker_setup`
@@ -15,7 +16,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, ContextManager, Optional
 
-POINTS = ("driver.update", "driver.sync", "manager.collect")
+POINTS = ("driver.update", "driver.sync", "driver.save", "manager.collect")
 _installed: dict[str, list[Callable[..., Optional[ContextManager]]]] = {}
 worker_setup: Optional[str] = None
 

@@ -4,7 +4,8 @@ process that acts. A fault is `<role>:<phase>:<step>`:
 
     driver:update:3   the driver itself, 0.3 s into step 3's update (or at its end when faster)
     rank:update:2     training rank 0 once it runs step 2's update (its process title, polled every
-    rank:sync:3       5 ms), or its weight push; the driver kills it (one machine), once
+    rank:sync:3       5 ms), or its weight push, or its save of step N's checkpoint (rank:save:4);
+                      the driver kills it (one machine), once
     engine:sync:1     engine 0 as step 1's weight sync begins, killed by the driver, once
     engine:collect:2  engine 0 once it has requests of step 2's collection in flight, killed by the
                       rollout manager (its process gets the hook through Ray's worker setup hook)
@@ -26,8 +27,10 @@ import time
 from dapo_megatron import hooks
 
 FAULTS_ENV = "DAPO_TEST_FAULTS"
-ROLES_PHASES = {("driver", "update"), ("rank", "update"), ("rank", "sync"), ("engine", "sync"), ("engine", "collect")}
-_RANK_TITLES = {"update": "ray::TrainWorker.step_update", "sync": "ray::TrainWorker.push_weights"}
+ROLES_PHASES = {("driver", "update"), ("rank", "update"), ("rank", "sync"), ("rank", "save"), ("engine", "sync"),
+                ("engine", "collect")}
+_RANK_TITLES = {"update": "ray::TrainWorker.step_update", "sync": "ray::TrainWorker.push_weights",
+                "save": "ray::TrainWorker.save"}
 _DRIVER_DELAY_S = 0.3
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -10,7 +10,7 @@ from typing import Optional
 
 import ray
 
-from dapo_megatron import roles
+from dapo_megatron import hooks, roles
 from dapo_megatron.driver.recovery import drop_pending
 from dapo_megatron.driver.weight_sync import sync_weights
 from dapo_megatron.roles import as_role
@@ -71,8 +71,9 @@ class Moments:
                 **roles.get("rollout manager", self.ctx.manager.state_dict.remote(before))}
 
     def save(self) -> None:
-        path = as_role("actor", self.ctx.train.save, os.path.join(self.ctx.out_dir, "checkpoints"), self.step,
-                       self.state_dict(), self.cfg.trainer.max_checkpoints_to_keep)
+        with hooks.at("driver.save", step=self.step, ctx=self.ctx):  # a test's faults
+            path = as_role("actor", self.ctx.train.save, os.path.join(self.ctx.out_dir, "checkpoints"), self.step,
+                           self.state_dict(), self.cfg.trainer.max_checkpoints_to_keep)
         self.checkpoint = path
         self.logger.plot_soon()
         print(f"saved {path}", flush=True)

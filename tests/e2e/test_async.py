@@ -13,8 +13,8 @@ DPPO-TV loss): killed -9 in step 3's update (the engine generating the next batc
 then resumed to step 4.
 deterministic_pair: async with partial rollouts under trainer.deterministic (one batch ahead, its
 responses held at 3 tokens for each push), 4 steps, a checkpoint every second, run twice: never
-killed, and its training rank killed -9 in step 3's update and in step 4's weight push; both
-write the same.
+killed, and its training rank killed -9 in step 3's update, in step 4's weight push and in step
+4's save; both write the same.
 """
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def test_a_dead_rank_restarts_alone_and_drops_the_batch_asked_ahead(one_step_off
 # the run did. (The drained modes, one_step_off and async without partial rollouts, are this
 # with segments as long as the responses.)
 DETERMINISTIC = {"trainer.deterministic": "true", "trainer.max_staleness": 1, "trainer.segment_tokens": 3,
-                 "data.gen_batch_size": 6, "trainer.save_freq": 2, "trainer.test_freq": 0, "trainer.max_restarts": 2}
+                 "data.gen_batch_size": 6, "trainer.save_freq": 2, "trainer.test_freq": 0, "trainer.max_restarts": 3}
 
 
 def _deterministic(tiny_assets, out, *kills: str) -> list[dict]:
@@ -173,13 +173,13 @@ def _deterministic(tiny_assets, out, *kills: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def deterministic_pair(tiny_assets, tmp_path_factory, local_ray):
-    """The run never killed, and the same run with its training rank killed -9 in step 3's update
-    and again in step 4's weight push: each time it restarts itself from step 2's checkpoint and
-    generates step 3 again."""
+    """The run never killed, and the same run with its training rank killed -9 in step 3's update,
+    again in step 4's weight push and again in step 4's save (the checkpoint half written): each
+    time it restarts itself from step 2's checkpoint and generates step 3 again."""
     never = tmp_path_factory.mktemp("never") / "run"
     killed = tmp_path_factory.mktemp("killed") / "run"
     return ((never, _deterministic(tiny_assets, never)),
-            (killed, _deterministic(tiny_assets, killed, "rank:update:3", "rank:sync:4")))
+            (killed, _deterministic(tiny_assets, killed, "rank:update:3", "rank:sync:4", "rank:save:4")))
 
 
 def test_partial_rollouts_killed_and_resumed_equal_the_run_never_killed(deterministic_pair, tmp_path):
@@ -187,7 +187,7 @@ def test_partial_rollouts_killed_and_resumed_equal_the_run_never_killed(determin
     (never, rows), (killed, rows_killed) = deterministic_pair
     events = [json.loads(line) for line in open(killed / "events.jsonl")]
     assert [(e["event"], e["step"], e["checkpoint"]) for e in events] == \
-        [("restart", s, str(killed / "checkpoints" / "step_2")) for s in (2, 3)], events  # (`step`: the last logged)
+        [("restart", s, str(killed / "checkpoints" / "step_2")) for s in (2, 3, 4)], events  # (`step`: the last logged)
     # steps 2 and 4 were generated while the step before trained, their pushes landing 3 tokens
     # into the responses still running (partial); step 3 after step 2's save: nothing was asked
     # past it, so its sync waited for nothing

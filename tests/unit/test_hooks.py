@@ -44,8 +44,9 @@ def test_hooks_run_in_order_around_the_work_at_their_point():
 def test_faults_go_where_they_act():
     """Driver faults are hooks of this process; the manager's reach the run's Ray workers through
     their setup hook (a module path on their PYTHONPATH), each acting once at its step."""
-    faults.install("rank:update:2", "engine:collect:4")
-    assert [len(hooks._installed.get(p, [])) for p in hooks.POINTS] == [1, 0, 0]
+    faults.install("rank:update:2", "rank:save:3", "engine:collect:4")
+    assert {p: len(hooks._installed.get(p, [])) for p in hooks.POINTS} == \
+        {"driver.update": 1, "driver.sync": 0, "driver.save": 1, "manager.collect": 0}
     assert hooks.worker_setup == "faults.worker_setup"
     import os
     assert os.environ[faults.FAULTS_ENV] == "engine:collect:4" and faults.HERE in os.environ["PYTHONPATH"]
