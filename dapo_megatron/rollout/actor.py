@@ -21,7 +21,7 @@ from dapo_megatron.device import get_device
 from dapo_megatron.logs import redirect_output
 from dapo_megatron.rollout.engine import Engine
 from dapo_megatron.rollout.engine_spec import EngineSpec
-from dapo_megatron.rollout.types import RolloutGroup, Sampling
+from dapo_megatron.rollout.types import RolloutGroup, Sampling, row_prefix
 
 # Concurrent actor calls: poll + submit + abort + weight pushes, and with the broadcast sync
 # transport one blocking `receive_weights` per sending trainer rank (EP ranks x PP stages).
@@ -91,14 +91,14 @@ class GroupStore:
             if g.aborted:  # nobody trains on it: only its lengths go back, nothing is stored
                 out.append(g.stored(partition, []))
                 continue
-            prefix = f"{self.name}/{g.request_id}"
-            keys, rows, image_row = [f"{prefix}/{j}" for j in range(len(g.responses))], g.rows(), g.image_row()
+            prefix = row_prefix(self.name, g.request_id)
+            keys, rows, image_row = [f"{prefix}{j}" for j in range(len(g.responses))], g.rows(), g.image_row()
             self._add(batches, (partition, "responses"), keys, rows)
             fields = tuple(rows[0])
             if image_row is not None:  # the prompt's pixels, once for its n responses
-                self._add(batches, (partition, "images"), [f"{prefix}/images"], [image_row])
+                self._add(batches, (partition, "images"), [f"{prefix}images"], [image_row])
                 fields += tuple(image_row)
-            out.append(g.stored(partition, keys, fields, f"{prefix}/images" if image_row is not None else ""))
+            out.append(g.stored(partition, keys, fields, f"{prefix}images" if image_row is not None else ""))
         for (partition, _), (keys, rows) in batches.items():
             self.plane.put(partition, keys, rows, writer="rollout")
         return out

@@ -15,6 +15,17 @@ from dapo_megatron.batch import FIELDS, IMAGE, PLANE
 FINISH_REASONS = ("stop", "length", "abort")
 
 
+def row_prefix(engine: str, request_id: str) -> str:
+    """What a group's data-plane keys begin with: "<engine>/<request id>/" then the response's
+    index (or "images"), so the rows of a request are found by its id alone."""
+    return f"{engine}/{request_id}/"
+
+
+def request_of(key: str) -> str:
+    """The request id of a row's key (`row_prefix`)."""
+    return key.split("/")[1] if key.count("/") >= 2 else ""
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Sampling parameters of one generate / submit call (the n responses of a prompt share them)."""

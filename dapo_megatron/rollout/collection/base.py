@@ -14,7 +14,7 @@ from dapo_megatron.data.dataset import PromptDataset, PromptItem
 from dapo_megatron.data.sampler import PromptSampler
 from dapo_megatron.dataplane import DataPlane, StepBatch
 from dapo_megatron.rollout.health import EngineHealth
-from dapo_megatron.rollout.types import Sampling, StoredGroup
+from dapo_megatron.rollout.types import Sampling, StoredGroup, request_of
 
 
 @dataclass
@@ -57,8 +57,8 @@ class Store:
         the poll that returns it, and one killed (or hung) between the put and the reply leaves
         them behind while its prompt is generated again elsewhere."""
         if self.plane is not None and request_ids:
-            ids = set(request_ids)  # keys are "<engine>/<request id>/<row>"
-            self.clear([k for k in self.plane.keys(self.partition) if (k.split("/") + [""])[1] in ids])
+            ids = set(request_ids)
+            self.clear([k for k in self.plane.keys(self.partition) if request_of(k) in ids])
 
 
 @dataclass
