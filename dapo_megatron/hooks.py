@@ -3,6 +3,7 @@ killed -9 at a named phase of a named step, as a crash or an OOM kill would). Pa
 the point and passes what it knows there; nothing runs unless a hook was installed in that process
 (tests/faults.py installs them; the package reads no test setting).
 
+    driver.generate             (step, ctx)      around the driver's wait for a step's batch (or part)
     driver.update, driver.sync  (step, ctx)      around a step's update / weight push, in the driver
     driver.save  (step, ctx)                     around the save of step's checkpoint, in the driver
     manager.collect             (step, engines)  as the rollout manager starts a step's collection
@@ -16,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from typing import Callable, ContextManager, Optional
 
-POINTS = ("driver.update", "driver.sync", "driver.save", "manager.collect")
+POINTS = ("driver.generate", "driver.update", "driver.sync", "driver.save", "manager.collect")
 _installed: dict[str, list[Callable[..., Optional[ContextManager]]]] = {}
 worker_setup: Optional[str] = None
 

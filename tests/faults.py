@@ -2,7 +2,8 @@
 phase of a named step, as a crash or an OOM kill would, installed as `dapo_megatron.hooks` in the
 process that acts. A fault is `<role>:<phase>:<step>`:
 
-    driver:update:3   the driver itself, 0.3 s into step 3's update (or at its end when faster)
+    driver:update:3   the driver itself, 0.3 s into step 3's update (or at its end when faster),
+    driver:generate:2 or into its wait for step 2's batch (sync: the batch's generation)
     rank:update:2     training rank 0 once it runs step 2's update (its process title, polled every
     rank:sync:3       5 ms), or its weight push, or its save of step N's checkpoint (rank:save:4);
                       the driver kills it (one machine), once
@@ -27,8 +28,8 @@ import time
 from dapo_megatron import hooks
 
 FAULTS_ENV = "DAPO_TEST_FAULTS"
-ROLES_PHASES = {("driver", "update"), ("rank", "update"), ("rank", "sync"), ("rank", "save"), ("engine", "sync"),
-                ("engine", "collect")}
+ROLES_PHASES = {("driver", "generate"), ("driver", "update"), ("rank", "update"), ("rank", "sync"),
+                ("rank", "save"), ("engine", "sync"), ("engine", "collect")}
 _RANK_TITLES = {"update": "ray::TrainWorker.step_update", "sync": "ray::TrainWorker.push_weights",
                 "save": "ray::TrainWorker.save"}
 _DRIVER_DELAY_S = 0.3

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import ray
 
-from dapo_megatron import roles
+from dapo_megatron import hooks, roles
 from dapo_megatron.driver.metrics import staleness
 from dapo_megatron.driver.recovery import wait_manager
 
@@ -38,7 +38,8 @@ class Batches:
         trainer.batches_ahead steps ago, generated while earlier steps trained; the batches of the
         next steps are asked once the first part is in, before it trains."""
         ahead, streamed = self.cfg.trainer.batches_ahead, len(request.refs) > 1
-        with self.timed("trainer_wait" if ahead else "gen", [k] if streamed else ()):
+        with hooks.at("driver.generate", step=request.step, ctx=self.ctx), \
+                self.timed("trainer_wait" if ahead else "gen", [k] if streamed else ()):
             part, metrics, batch = wait_manager(self, request.refs[k])
         if k == 0:
             asked = self.pending[-1].step if self.pending else request.step

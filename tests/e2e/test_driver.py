@@ -4,7 +4,7 @@ A quickstart start-up (Ray, data plane, ranks, engine) costs most of an e2e test
 module starts each run once and several tests assert on it:
   whole:   the quickstart as a user starts it (a process of its own) on ~300-token prompts,
            2 steps, routes replayed, a checkpoint every step, trainer.deterministic; whole_again
-           runs it again in this process, killed in step 2 and resumed by itself
+           runs it again, killed -9 in step 2's generation and resumed by the same command
   chunked: the same in this process, prefilling 256 tokens a step (every prompt is chunked)
   tp2:     the same at TP2, its engine killed once step 1 is saved; the last test resumes it
            under `ray job submit` on two Ray nodes (its engine, then a rank killed -9, then its
@@ -239,29 +239,32 @@ def _model_weights(checkpoint: Path, tmp: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def whole_again(tiny_assets, long_prompts, tmp_path_factory, local_ray) -> Finished:
-    """`whole` again (this process, the session's Ray), the same seeds and config, its training
-    rank 0 killed -9 in step 2's update: the run restarts itself from step 1's checkpoint
-    (trainer.max_restarts) and generates step 2 again."""
+def whole_again(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
+    """`whole` again, the same seeds and config, as a user who loses the run: the driver killed -9
+    in step 2's generation (the whole run with it: a Ray of its own), then the same command run
+    again, which resumes from step 1's checkpoint and generates step 2 again."""
     from tests import faults
     out = tmp_path_factory.mktemp("again") / "run"
-    faults.install("rank:update:2")
-    try:
-        cfg = _cfg(tiny_assets, out, 2, **long_prompts, **{"rollout.max_num_batched_tokens": 16384,
-                                                           "trainer.max_restarts": 1})
-        assert _run_here(cfg) == 0
-    finally:
-        faults.uninstall()
-    return Finished(out, _rows(out))
+    args = _overrides(tiny_assets, out, 2, **long_prompts, **{"rollout.max_num_batched_tokens": 16384})
+    env = {k: v for k, v in os.environ.items() if k != faults.FAULTS_ENV}
+    env["RAY_ADDRESS"] = "local"
+    killed = subprocess.run([sys.executable, faults.__file__, *MAIN[3:], *args],  # main's, with the fault
+                            env={**env, faults.FAULTS_ENV: "driver:generate:2"}, capture_output=True, text=True,
+                            timeout=600)
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    assert [r["step"] for r in _rows(out)] == [1] and "step 2:" not in killed.stdout, killed.stdout[-3000:]
+    proc = _main(args, env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return Finished(out, _rows(out), proc)
 
 
 def test_a_deterministic_run_killed_and_resumed_repeats_every_metric_and_checkpoint(whole, whole_again, tmp_path):
     """trainer.deterministic (long_prompts), the quickstart's synchronous recipe rounds: a run
-    killed in step 2's update and resumed from step 1 writes what the run never killed wrote: the
-    same metrics.jsonl in every key but the clocks and memory (same_run.stable), and checkpoints
-    whose every tensor and field are equal."""
-    (event,) = [json.loads(line) for line in open(whole_again.out / "events.jsonl")]
-    assert (event["event"], event["step"]) == ("restart", 1), event
+    killed in step 2's generation and resumed from step 1 by the same command writes what the run
+    never killed wrote: the same metrics.jsonl in every key but the clocks and memory
+    (same_run.stable), and checkpoints whose every tensor and field are equal."""
+    assert f"resumed from {whole_again.out / 'checkpoints' / 'step_1'} at step 1" in whole_again.proc.stdout
+    assert not (whole_again.out / "events.jsonl").exists()  # nothing restarted in either process
     assert len(whole_again.rows) == 2 and same_run.stable(whole_again.rows) == same_run.stable(whole.rows)
     for step in ("step_1", "step_2"):
         assert not same_run.differing(whole.out, whole_again.out, step, tmp_path)

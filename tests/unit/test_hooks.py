@@ -37,16 +37,16 @@ def test_hooks_run_in_order_around_the_work_at_their_point():
     with hooks.at("driver.sync", step=3, ctx="roles"):  # nothing installed there
         seen.append("sync")
     assert seen == [("enter", 3, "roles"), ("plain", 3), "work", ("exit", 3), "sync"]
-    with pytest.raises(ValueError, match=r"no hook point 'driver.updat'; the points are driver.update"):
+    with pytest.raises(ValueError, match=r"no hook point 'driver.updat'; the points are driver.generate, driver.update"):
         hooks.install("driver.updat", around)
 
 
 def test_faults_go_where_they_act():
     """Driver faults are hooks of this process; the manager's reach the run's Ray workers through
     their setup hook (a module path on their PYTHONPATH), each acting once at its step."""
-    faults.install("rank:update:2", "rank:save:3", "engine:collect:4")
+    faults.install("rank:update:2", "rank:save:3", "driver:generate:2", "engine:collect:4")
     assert {p: len(hooks._installed.get(p, [])) for p in hooks.POINTS} == \
-        {"driver.update": 1, "driver.sync": 0, "driver.save": 1, "manager.collect": 0}
+        {"driver.generate": 1, "driver.update": 1, "driver.sync": 0, "driver.save": 1, "manager.collect": 0}
     assert hooks.worker_setup == "faults.worker_setup"
     import os
     assert os.environ[faults.FAULTS_ENV] == "engine:collect:4" and faults.HERE in os.environ["PYTHONPATH"]
