@@ -183,7 +183,7 @@ def deterministic_pair(tiny_assets, tmp_path_factory, local_ray):
 
 
 def test_partial_rollouts_killed_and_resumed_equal_the_run_never_killed(deterministic_pair, tmp_path):
-    from tests import same_run
+    from dapo_megatron.tools import same_run
     (never, rows), (killed, rows_killed) = deterministic_pair
     events = [json.loads(line) for line in open(killed / "events.jsonl")]
     assert [(e["event"], e["step"], e["checkpoint"]) for e in events] == \
