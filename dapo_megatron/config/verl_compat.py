@@ -18,9 +18,10 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-from dapo_megatron.algo import IS_LEVELS, POLICY_LOSSES, RS_CRITERIA
 from dapo_megatron.config.errors import ConfigError
 from dapo_megatron.config.verl_fully_async import Plan, is_fully_async
+from dapo_megatron.config.verl_losses import LOSS_RULES, RC as _RC
+from dapo_megatron.config.verl_losses import bare as _bare, is_null as _is_null, is_true as _is_true, threshold as _threshold
 from dapo_megatron.dtypes import BY_ANY_NAME
 
 _ARR = "actor_rollout_ref."
@@ -89,14 +90,6 @@ RENAMES: dict[str, str] = {
 PREFIX_RENAMES: dict[str, str] = {_RO + "engine_kwargs.vllm.": "rollout.engine_kwargs."}
 
 
-def _bare(value: str) -> str:
-    return value.strip().strip("'\"")
-
-
-def _is_true(value: str) -> bool:
-    return _bare(value).lower() in ("true", "1", "yes")
-
-
 def _token_level_loss(value: str) -> list[str]:
     # The early DAPO recipe's switch: token-level (DAPO) or the per-sequence mean of token means (GRPO).
     return [f"actor.loss_agg_mode={'token-mean' if _is_true(value) else 'seq-mean-token-mean'}"]
@@ -153,68 +146,6 @@ def _gradient_checkpointing(value: str) -> list[str]:
 def _max_positions(value: str) -> list[str]:
     # Only the engines check the context against max_position_embeddings (RoPE has no table).
     return [f"rollout.engine_kwargs.hf_overrides.max_position_embeddings={_bare(value)}"]
-
-
-_RC = "actor.rollout_correction."
-# verl's first rejection API named the aggregation alone and bounded the ratio: our k1 criteria.
-_OLD_RS = {"token": "token_k1", "sequence": "seq_sum_k1", "geometric": "seq_mean_k1"}
-# verl's loss_mode -> the row of that name, with the aggregation it is defined with said aloud (verl
-# forces seq-mean-token-mean on GSPO, its token form, and SAPO, and averages GMPO's sequences)
-_LOSS_MODES = {"vanilla": ["actor.policy_loss=dapo"],
-               "bypass_mode": ["actor.policy_loss=dapo", "actor.old_logprobs=rollout"],  # its ppo_clip form
-               **{m: [f"actor.policy_loss={m}", *([f"actor.loss_agg_mode={POLICY_LOSSES[m].agg}"]
-                                                   if POLICY_LOSSES[m].agg else [])]
-                  for m in ("gspo", "cispo", "sapo", "geo_mean", "clip_cov", "kl_cov", "gpg", "dro", "dppo_tv",
-                            "dppo_kl")}}
-
-
-def _is_null(value: str) -> bool:
-    return _bare(value).lower() in ("null", "none", "")
-
-
-def _rollout_is(value: str) -> list[str]:
-    """verl's level; its null said aloud is no correction (ours would otherwise weigh the tokens of an
-    off-policy mode: actor.rollout_correction.is_level=auto)."""
-    level = _bare(value).lower()
-    if _is_null(level):
-        return [f"{_RC}is_level=none"]
-    if level not in IS_LEVELS:
-        raise ValueError(f"rollout_is={_bare(value)} is not one of {', '.join(IS_LEVELS)} "
-                         f"(actor.rollout_correction.is_level)")
-    return [f"{_RC}is_level={level}"]
-
-
-def _threshold(prefix: str, value: str) -> list[str]:
-    """verl's threshold: a float (an upper bound) or "lower_upper" (a band)."""
-    lower, sep, upper = _bare(value).partition("_")
-    return [f"{prefix}_lower={float(lower)}", f"{prefix}={float(upper)}"] if sep else [f"{prefix}={float(lower)}"]
-
-
-def _rollout_rs(value: str) -> list[str]:
-    rs = _bare(value).lower()
-    if _is_null(rs):
-        return []
-    rs = _OLD_RS.get(rs, rs)
-    if rs not in RS_CRITERIA:
-        raise ValueError(f"rollout_rs={_bare(value)} is not one of {', '.join((*_OLD_RS, *RS_CRITERIA))} "
-                         f"(actor.rollout_correction.rs); one criterion at a time")
-    return [f"{_RC}rs={rs}"]
-
-
-def _loss_type(value: str) -> list[str]:
-    kind = _bare(value).lower()
-    if kind not in ("ppo_clip", "reinforce"):
-        raise ValueError(f"rollout_correction.loss_type={_bare(value)} is not ppo_clip or reinforce "
-                         "(actor.policy_loss=dapo | reinforce)")
-    return ["actor.policy_loss=reinforce"] if kind == "reinforce" else []
-
-
-def _loss_mode(value: str) -> list[str]:
-    mode = _bare(value).lower()
-    if mode not in _LOSS_MODES:
-        raise ValueError(f"policy_loss.loss_mode={_bare(value)} is not one of {', '.join(_LOSS_MODES)} "
-                         f"(actor.policy_loss: {', '.join(POLICY_LOSSES)})")
-    return _LOSS_MODES[mode]
 
 
 _ROUTER_REPLAY = {"disabled": "off", "r2": "actor", "r3": "rollout"}
@@ -289,19 +220,7 @@ VALUE_RULES: dict[str, Callable[[str], list[str]]] = {
     _M + "enable_gradient_checkpointing": _gradient_checkpointing,
     _M + "override_config.max_position_embeddings": _max_positions,
     _M + "override_config.model_config.max_position_embeddings": _max_positions,
-    "algorithm.rollout_correction.rollout_is": _rollout_is,
-    # bypass mode: pi_old is the rollout's log-probs (two policies, no old-log-prob pass)
-    "algorithm.rollout_correction.bypass_mode": lambda v: ["actor.old_logprobs=rollout"] if _is_true(v) else [],
-    # bypass mode's two losses (read in bypass mode only: `_cross_key`): the clipped ratio
-    # pi / pi_rollout, or REINFORCE weighted by it. use_policy_gradient: verl 0.9.1's switch for it
-    "algorithm.rollout_correction.loss_type": _loss_type,
-    "algorithm.rollout_correction.use_policy_gradient": lambda v: _loss_type("reinforce" if _is_true(v) else "ppo_clip"),
-    "algorithm.rollout_correction.rollout_rs": _rollout_rs,
-    "algorithm.rollout_correction.rollout_rs_threshold": lambda v: _threshold(f"{_RC}rs_threshold", v),
-    "algorithm.rollout_correction.rollout_rs_threshold_lower": lambda v: [f"{_RC}rs_threshold_lower={float(_bare(v))}"],
-    "algorithm.rollout_correction.rollout_token_veto_threshold": lambda v: (
-        [] if _is_null(v) else [f"{_RC}veto_threshold={float(_bare(v))}"]),
-    _A + "policy_loss.loss_mode": _loss_mode,
+    **LOSS_RULES,  # policy_loss.loss_mode and algorithm.rollout_correction.*: config/verl_losses.py
     **{_A + home + "router_replay.mode": _router_replay for home in ("", "megatron.", "mindspeed.")},
     "trainer.v1.trainer_mode": _trainer_mode,
     "trainer.use_v1": lambda v: [],  # which loop verl runs; ours is trainer.mode (v1.trainer_mode's)
