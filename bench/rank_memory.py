@@ -12,7 +12,7 @@ a micro-batch). Each tree runs it once; the training rank's RSS is read every 0.
 rank's peak RSS inside the step and its RSS at the step's end; then the growth per step from
 step 2's end to the last (step 1 builds the optimizer's state), and the update's median time.
 e145e65 is the checkout before the rank handed glibc's free heap pages back at each phase's end
-(`TrainWorker._peak`) and ran with oneDNN's primitive cache off (the CPU device's `rank_env`).
+(`TrainWorker._phase_end`) and ran with oneDNN's primitive cache off (the CPU device's `rank_env`).
 """
 from __future__ import annotations
 
@@ -22,13 +22,13 @@ import os
 import re
 import statistics
 import tempfile
-import threading
 import time
 
 import psutil
 
 from _trees import HERE, checkouts
 from common import read_metrics, run_main
+from process_memory import TreeSampler, role
 from results import Table, write
 
 SCRIPT = os.path.join(HERE, "tests", "data", "verl", "fully_async_dapo_30b_a3b_base_math_fsdp.sh")
@@ -50,28 +50,23 @@ def overrides() -> list[str]:
     return [o for o in ours if not o.startswith(("trainer.default_local_dir=", "trainer.logger="))]
 
 
-class RankRss(threading.Thread):
+class RankRss(TreeSampler):
     """(time, the training rank's RSS in GB) every `every_s` while the run's tree lives."""
 
     def __init__(self, root: int, every_s: float = 0.5):
-        super().__init__(daemon=True)
-        self.root, self.every_s, self.stop, self.samples = root, every_s, threading.Event(), []
+        super().__init__(root, every_s)
+        self.samples: list[tuple[float, float]] = []
 
-    def run(self) -> None:
-        while not self.stop.wait(self.every_s):
-            try:
-                procs = psutil.Process(self.root).children(recursive=True)
-            except psutil.Error:
-                return
-            rss = []
-            for p in procs:
+    def read(self, procs: list[psutil.Process]) -> None:
+        rss = []
+        for p in procs:
+            if role(p) == "ray::TrainWorker":
                 try:
-                    if " ".join(p.cmdline()).startswith("ray::TrainWorker"):
-                        rss.append(p.memory_info().rss / 2**30)
+                    rss.append(p.memory_info().rss / 2**30)
                 except psutil.Error:
                     continue
-            if rss:
-                self.samples.append((time.time(), max(rss)))
+        if rss:
+            self.samples.append((time.time(), max(rss)))
 
 
 def per_step(out: str, samples: list[tuple[float, float]]) -> list[tuple[float, float]]:

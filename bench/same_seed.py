@@ -17,6 +17,7 @@ import argparse
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from common import run_main  # noqa: E402  (bench scripts sit side by side, not in a package)
@@ -36,8 +37,6 @@ SETTINGS = {"default": [], "deterministic": ["trainer.deterministic=true"]}
 
 def pair(overrides: list[str], steps: int, tmp: str, name: str) -> tuple[list[str], list[float]]:
     """Two runs of one config: what differs (same_run's lines; none: the same run), their wall seconds."""
-    from pathlib import Path
-
     from dapo_megatron.tools import same_run
     runs, walls = [], []
     for i in range(2):

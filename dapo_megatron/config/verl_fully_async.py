@@ -14,6 +14,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
+from dapo_megatron.config.verl_losses import is_true
+
 # verl's defaults (fully_async_ppo_trainer.yaml, actor.yaml) for a key a script leaves out
 _DEFAULTS = {
     "async_training.staleness_threshold": "0.1", "async_training.trigger_parameter_sync_step": "4",
@@ -58,7 +60,7 @@ class Plan:
         return int(value)
 
     def _true(self, key: str) -> bool:
-        return self._get(key).lower() in ("true", "1", "yes")
+        return is_true(self._get(key))
 
     # ---- the push period as a step ---------------------------------------------------------------
     def batch(self) -> int:

@@ -33,7 +33,15 @@ def read_rows(run: Path) -> list[dict]:
     path = Path(run) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such file (a run directory holds metrics.jsonl: trainer.logger=[jsonl])")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            raise ValueError(f"{path}: line {i} is not a JSON row: {line[:60]!r}") from None
+    return rows
 
 
 def first_difference(rows: list[dict], other: list[dict]) -> str | None:
@@ -83,7 +91,10 @@ def differing(one: Path, other: Path, step: str, tmp: Path) -> list[str]:
     one of them holds among them; both must hold a dist checkpoint's state)."""
     ours, theirs = (checkpoint_contents(Path(run) / "checkpoints" / step, Path(tmp) / f"{i}-{step}")
                     for i, run in enumerate((one, other)))
-    assert sum(k.startswith("state/") for k in ours) > 20, sorted(ours)
+    for run, contents in ((one, ours), (other, theirs)):
+        if sum(k.startswith("state/") for k in contents) <= 20:
+            raise ValueError(f"{Path(run) / 'checkpoints' / step}: no model state in it (a dist checkpoint "
+                             f"holds the model's and optimizer's tensors)")
     return sorted(k for k in ours.keys() | theirs.keys() if k not in ours or k not in theirs or not same(ours[k], theirs[k]))
 
 
@@ -92,12 +103,17 @@ def saved_steps(run: Path) -> set[str]:
     return {p.name for p in folder.glob("step_*") if p.is_dir()} if folder.is_dir() else set()
 
 
+def common_steps(one: Path, other: Path) -> list[str]:
+    """The checkpoints both runs saved, in step order."""
+    return sorted(saved_steps(one) & saved_steps(other), key=lambda s: int(s.split("_")[1]))
+
+
 def compare(one: Path, other: Path, steps: list[str] | None = None) -> list[str]:
-    """What differs between the two runs, a line each (empty: the same run)."""
+    """What differs between the two runs, a line each (empty: the same run); `steps`: the
+    checkpoints compared (default: every one both saved)."""
     lines = [first_difference(read_rows(one), read_rows(other))]
-    steps = steps or sorted(saved_steps(one) & saved_steps(other), key=lambda s: int(s.split("_")[1]))
     with tempfile.TemporaryDirectory() as tmp:
-        for step in steps:
+        for step in common_steps(one, other) if steps is None else steps:
             names = differing(one, other, step, Path(tmp))
             if names:
                 lines.append(f"{step}: {len(names)} checkpoint entries differ: {', '.join(names[:6])}"
@@ -111,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("other", type=Path)
     p.add_argument("--steps", default="", help="checkpoints to compare, comma-separated (default: every one both saved)")
     args = p.parse_args(argv)
-    steps = [s for s in args.steps.split(",") if s]
+    steps = [s for s in args.steps.split(",") if s] or common_steps(args.run, args.other)
     for step in steps:
         for run in (args.run, args.other):
             if step not in saved_steps(run):
@@ -119,13 +135,12 @@ def main(argv: list[str] | None = None) -> int:
                 return 2
     try:
         lines = compare(args.run, args.other, steps)
-    except FileNotFoundError as exc:
+        logged = len(read_rows(args.run))
+    except (FileNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    compared = steps or sorted(saved_steps(args.run) & saved_steps(args.other))
     print("\n".join(lines) if lines else
-          f"the same run: {len(read_rows(args.run))} steps of metrics (clocks aside), checkpoints "
-          f"{', '.join(compared) or 'none in common'}")
+          f"the same run: {logged} steps of metrics (clocks aside), checkpoints {', '.join(steps) or 'none in common'}")
     return 1 if lines else 0
 
 

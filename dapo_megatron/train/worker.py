@@ -77,7 +77,7 @@ class TrainWorker:
             load_start(start, self.actor, self.ref)
         return vars(info)
 
-    def _peak(self, phase: str) -> None:
+    def _phase_end(self, phase: str) -> None:
         """A phase's end: its peak device memory recorded (where the device reports one), and the
         free pages inside glibc's heap handed back. Each phase frees buffers sized by the step's
         tokens, and their holes stayed resident: a rank of verl's fully-async script on the tiny
@@ -95,12 +95,12 @@ class TrainWorker:
 
     def offload(self, what: list[str]) -> None:
         """The actor's `what` (params / grads / optimizer) to host memory: train/offload.py."""
-        self._peak("before_offload")
+        self._phase_end("before_offload")
         self.actor.offload(what)
 
     def onload(self, what: list[str]) -> None:
         self.actor.onload(what)
-        self._peak("onload")
+        self._phase_end("onload")
 
     def compute_logprobs(self, batch: RolloutBatch) -> Optional[Rows]:
         return self.actor.compute_logprobs(batch)
@@ -141,7 +141,7 @@ class TrainWorker:
             self.plane.put(step.partition, keys, out_rows, writer=name)
         for key, row in zip(keys, out_rows):  # this rank's update reads these here, not back
             self.rows.setdefault(key, {}).update(row)
-        self._peak(f"{model}_logprobs")
+        self._phase_end(f"{model}_logprobs")
         if c.tp_rank:
             return None
         metrics = dict(part.metrics)
@@ -162,7 +162,7 @@ class TrainWorker:
         self.rows = {}
         minis = [([local[r] for r in share], counts) for share, counts in minis]
         metrics = self.actor.update(batch, minis, tokens=sum(step.sequence_lengths), new_step=first)
-        self._peak("update")
+        self._phase_end("update")
         return {**metrics, **self._plane_counters()}
 
     def _rows(self, step: dataplane.StepBatch) -> dict:
@@ -189,7 +189,7 @@ class TrainWorker:
         sender = self.transport.sender(engines, address)
         sums, self.sync_plan = push(self.actor.chunks, sender, bucket_mb << 20, self.sync_plan, checksums=checksums)
         sender.close()
-        self._peak("sync")
+        self._phase_end("sync")
         return sums, self.sync_plan.nbytes, sorted(sender.dead)
 
     def save_hf(self, out_dir: str, shard_mb: int = 2048) -> dict:

@@ -43,3 +43,12 @@ def test_a_missing_run_file_is_one_line_naming_it(tmp_path, capsys):
         "trainer.logger=[jsonl])"
     assert same_run.main([str(run), str(run), "--steps", "step_3"]) == 2
     assert capsys.readouterr().err.strip() == f"error: --steps: {run / 'checkpoints' / 'step_3'} does not exist"
+
+
+def test_a_torn_metrics_line_is_one_line_naming_the_file_and_line(tmp_path, capsys):
+    run = _run(tmp_path, "a", ROWS)
+    torn = _run(tmp_path, "b", ROWS)
+    (torn / "metrics.jsonl").write_text((torn / "metrics.jsonl").read_text() + '{"step": 3, "rew')
+    assert same_run.main([str(run), str(torn)]) == 2
+    assert capsys.readouterr().err.strip() == \
+        f"error: {torn / 'metrics.jsonl'}: line 3 is not a JSON row: '{{\"step\": 3, \"rew'"
