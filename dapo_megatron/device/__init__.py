@@ -175,8 +175,7 @@ DEVICE_KINDS: dict[str, DeviceKind] = {
         setup_vllm_worker=_vllm_cpu_worker, vllm_env=_vllm_cpu_env, vllm_memory=_vllm_cpu_memory,
         # oneDNN's global primitive cache kept kernels for every new micro-batch shape in the
         # ranks too: with it off (as in the engines) a rank of verl's fully-async script on the
-        # tiny assets ended steps 2-5 at 1.1-1.5 GB with no trend, where it crept ~150 MB a step
-        # (bench/rank_memory.py)
+        # tiny assets ends each step at about the same size (bench/rank_memory.py)
         rank_env=lambda: {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "0"}),
 }
 KINDS = tuple(DEVICE_KINDS)

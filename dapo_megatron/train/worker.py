@@ -81,7 +81,7 @@ class TrainWorker:
         """A phase's end: its peak device memory recorded (where the device reports one), and the
         free pages inside glibc's heap handed back. Each phase frees buffers sized by the step's
         tokens, and their holes stayed resident: a rank of verl's fully-async script on the tiny
-        assets grew 2.1 -> 5.6 GB in 3 steps, then Ray killed it for host memory."""
+        assets grew every step until Ray killed it for host memory (bench/rank_memory.py)."""
         device = get_device(self.cfg.trainer.device)
         device.release_host_memory()
         peak = device.peak_memory_gb()
