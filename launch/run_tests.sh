@@ -2,9 +2,10 @@
 # The README's test command: set up .venv, then the whole suite in two phases: tests/unit on two
 # pytest-xdist workers (one thread each: the single-process tests keep both cores busy), then the
 # multi-process Megatron tests and end to end (each already uses both cores) one at a time. Beside
-# both, at idle CPU priority, the tests marked `background` (one thread of compute each, nothing
-# timed): the end-to-end phase leaves a third of the two cores idle (a run's steps are one process
-# at a time), and they take that instead of ~150 s of the unit phase.
+# both, at idle CPU priority, the tests marked `background` (nothing timed: one thread of compute,
+# or a Megatron job's gloo ranks): the end-to-end phase leaves a third of the two cores idle (a
+# run's steps are one process at a time), and they take that instead of ~150 s of the unit phase
+# and ~90 s of the serial second phase.
 #   --fast   the tier for working (4.5 min here): every file of tests/unit and tests/distributed without
 #            the tests marked slow, and the one end-to-end quickstart run (marker `quickstart`).
 #   other arguments go to pytest, which then runs once over the whole suite, serially.

@@ -12,7 +12,7 @@ from dapo_megatron.train.parallel import run_workers
 
 import actor_jobs
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.background]
 
 LAYOUT_TOL = 1e-5  # fp32: Megatron layout vs TP1
 HF_TOL = 1e-4  # fp32: Megatron vs HF transformers

@@ -16,7 +16,7 @@ from dapo_megatron.train.parallel import WorkerError, run_workers
 
 import actor_jobs
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.background]
 
 LAYOUT = dict(ep=2)
 

@@ -12,7 +12,7 @@ from dapo_megatron.train.parallel import run_workers
 
 import actor_jobs
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.background]
 
 LAYOUT = dict(pp=2, ep=2)
 

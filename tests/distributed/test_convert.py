@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.background]
 
 
 def _convert_process(*args, timeout=300):

@@ -9,7 +9,7 @@ import torch
 
 from test_convert import _assert_nothing_left, _convert, _error_line, _same_tensors, cli_here
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.background]
 
 LOGITS_TOL = 1e-4  # fp32
 

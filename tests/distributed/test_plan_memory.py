@@ -9,7 +9,7 @@ from dapo_megatron.train.parallel import run_workers
 
 import memory_jobs
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.background]
 
 ROWS, LENGTHS = 2, (1024, 1536)  # one micro-batch of two sequences each
 

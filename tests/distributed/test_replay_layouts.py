@@ -11,7 +11,7 @@ from dapo_megatron.train.parallel import run_workers
 import actor_jobs
 import routing_jobs
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.background]
 
 LAYOUTS = {"tp1": (dict(), 1), "ep2": (dict(ep=2), 2), "tp2xep2": (dict(tp=2, ep=2), 4), "pp2": (dict(pp=2), 2)}
 PERTURB = 0.15 # last router's noise, in units of its mean |weight|: moves a share of the top-4 sets

@@ -6,7 +6,7 @@ import pytest
 
 from test_convert import _convert, _error_line, _same_tensors, cli_here
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.background]
 
 LOGITS_TOL = 1e-4  # fp32; measured 4.5e-7 .. 1.2e-6
 PROMPT_LENGTHS = [300, 37, 129]  # DAPO-Math prompts run ~100-300 tokens

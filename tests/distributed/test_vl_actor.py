@@ -11,7 +11,7 @@ from dapo_megatron.train.parallel import run_workers
 
 import actor_jobs
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.background]
 
 HF_TOL = 1e-4
 LAYOUT_TOL = 1e-5

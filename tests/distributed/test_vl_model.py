@@ -7,7 +7,7 @@ import torch
 
 from dapo_megatron.assets.models import TINY_VL_MOE
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.background]
 
 LOGITS_TOL = 1e-5
 SEQ = 300

@@ -9,7 +9,7 @@ from dapo_megatron.train.parallel import run_workers
 
 import dist_jobs
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.background]
 
 LOGIT_TOL = 1e-4  # fp32; measured ~5e-7 on tiny models with logits of scale ~1
 # layout, world size, models: qwen3_moe (odd vocab 509, pads for TP), qwen2 tied (vocab 509),

@@ -27,6 +27,7 @@ import sys
 import pytest
 import torch
 
+from tests import cli
 from tests.doc_runs import doc_args
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -203,7 +204,7 @@ ASYNC_STEPS = 5
 
 
 @pytest.fixture(scope="module")
-def async_killed_then_resumed(tiny_assets, tmp_path_factory):
+def async_killed_then_resumed(tiny_assets, tmp_path_factory, local_ray):
     """Two processes as a user runs them: killed -9 in step 3's update, then the same command.
     The first also loses its engine (kill -9) in step 1's weight sync."""
     from tests import faults
@@ -216,7 +217,7 @@ def async_killed_then_resumed(tiny_assets, tmp_path_factory):
     args = [*doc_args("python -m dapo_megatron.main --config-name quickstart_async"), *overrides]
     cmd = [sys.executable, "-m", "dapo_megatron.main", *args]
     env = {k: v for k, v in os.environ.items() if k != faults.FAULTS_ENV}
-    env["RAY_ADDRESS"] = "local"  # a Ray of each run's own
+    env.update(cli.joining(local_ray))  # the session's Ray, as a driver joins its cluster
     killed = subprocess.run([sys.executable, faults.__file__, *args],  # the same run, with the faults installed
                             env={**env, faults.FAULTS_ENV: "driver:update:3,engine:sync:1"},
                             capture_output=True, text=True, timeout=600)

@@ -2,7 +2,8 @@
 
 A quickstart start-up (Ray, data plane, ranks, engine) costs most of an e2e test's time, so the
 module starts each run once and several tests assert on it:
-  whole:   the quickstart as a user starts it (a process of its own) on ~300-token prompts,
+  whole:   the quickstart as a user starts it (a process of its own, joining the session's Ray
+           as a driver joins its cluster) on ~300-token prompts,
            2 steps, routes replayed, a checkpoint every step, trainer.deterministic; whole_again
            runs it again, killed -9 in step 2's generation and resumed by the same command
   chunked: the same in this process, prefilling 256 tokens a step (every prompt is chunked)
@@ -124,12 +125,12 @@ class Finished:
 
 
 @pytest.fixture(scope="module")
-def whole(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
+def whole(tiny_assets, long_prompts, tmp_path_factory, local_ray) -> Finished:
     """2 steps as `python -m dapo_megatron.main` in a process of its own; its steps prefill whole
     (16384 > 24 responses x ~330 tokens)."""
     out = tmp_path_factory.mktemp("whole") / "run"
     args = _overrides(tiny_assets, out, 2, **long_prompts, **{"rollout.max_num_batched_tokens": 16384})
-    proc = _main(args, {**os.environ, "RAY_ADDRESS": "local"})
+    proc = _main(args, {**os.environ, **cli.joining(local_ray)})
     assert proc.returncode == 0, proc.stderr[-3000:]
     return Finished(out, _rows(out), proc)
 
@@ -240,15 +241,15 @@ def _model_weights(checkpoint: Path, tmp: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def whole_again(tiny_assets, long_prompts, tmp_path_factory) -> Finished:
+def whole_again(tiny_assets, long_prompts, tmp_path_factory, local_ray) -> Finished:
     """`whole` again, the same seeds and config, as a user who loses the run: the driver killed -9
-    in step 2's generation (the whole run with it: a Ray of its own), then the same command run
+    in step 2's generation (its roles with it: Ray ends a dead driver's actors), then the same command run
     again, which resumes from step 1's checkpoint and generates step 2 again."""
     from tests import faults
     out = tmp_path_factory.mktemp("again") / "run"
     args = _overrides(tiny_assets, out, 2, **long_prompts, **{"rollout.max_num_batched_tokens": 16384})
     env = {k: v for k, v in os.environ.items() if k != faults.FAULTS_ENV}
-    env["RAY_ADDRESS"] = "local"
+    env.update(cli.joining(local_ray))
     killed = subprocess.run([sys.executable, faults.__file__, *MAIN[3:], *args],  # main's, with the fault
                             env={**env, faults.FAULTS_ENV: "driver:generate:2"}, capture_output=True, text=True,
                             timeout=600)
