@@ -128,8 +128,9 @@ def test_the_stale_share_is_bounded_with_a_slow_trainer(in_process_ray):
     share of 0: every one)."""
     sim = _load("async_sim")
     mode = [*sim.MODES["async k=1"], "trainer.stale_share=0.25"]
-    # virtual time 10x the wall clock: an update of 0.3 s against generation of a few ms, even on a busy machine
-    bounded, free, none = (sim.simulate(_tiny(sim, update_s=3.0), m, 6, 10.0, 1)
+    # virtual time 4x the wall clock: an update of 0.75 s against generation of a few ms, even on a busy machine
+    # (at 10x, 0.3 s, three busy threads on two cores generated past it: nothing held, the test failed)
+    bounded, free, none = (sim.simulate(_tiny(sim, update_s=3.0), m, 6, 4.0, 1)
                            for m in (mode, sim.MODES["async k=1"], [*sim.MODES["async k=1"], "trainer.stale_share=0"]))
 
     shares = [r["rollout/stale_share"] for r in bounded]
