@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import tempfile
 from pathlib import Path
@@ -69,6 +70,23 @@ def shape_model(tmp_path_factory):
 # tool task's bundle (~70 s of one core) is built there once, beside the unit phase, instead of in
 # the end-to-end phase, which runs one test at a time.
 SHARED_BUNDLES = "DAPO_TEST_BUNDLES"
+
+
+# Collection imports every test module and what it imports (torch, transformers, Megatron,
+# vLLM): the collector stays off meanwhile and that heap is frozen after (dapo_megatron/heap.py),
+# so each full collection in the tests' run scans only what they made.
+_collecting = contextlib.ExitStack()
+
+
+def pytest_sessionstart(session):
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        return  # xdist's controller: its workers collect
+    from dapo_megatron import heap
+    _collecting.enter_context(heap.start_up())
+
+
+def pytest_collection_finish(session):
+    _collecting.close()
 
 
 def pytest_collection_modifyitems(config, items):
@@ -147,6 +165,9 @@ def _start_local_ray() -> None:
 
 
 def pytest_sessionfinish(session, exitstatus):
+    _collecting.close()  # a collection that stopped early
+    import gc
+    gc.unfreeze()  # the exit's collection frees it (nanobind's leak check counted what it kept)
     import sys
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():

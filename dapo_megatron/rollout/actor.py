@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Optional
 
-from dapo_megatron import dataplane
+from dapo_megatron import dataplane, heap
 from dapo_megatron.batch import Prompt
 from dapo_megatron.device import get_device
 from dapo_megatron.logs import redirect_output
@@ -33,8 +33,9 @@ class EngineActor(Engine):
 
     def __init__(self, *args, log_path: Optional[str] = None, data_plane=None, name: str = "", **kwargs):
         redirect_output(log_path)
-        super().__init__(*args, **kwargs)
-        self._store = GroupStore(data_plane, name)
+        with heap.start_up():  # vLLM's imports and the model, this process's to keep
+            super().__init__(*args, **kwargs)
+            self._store = GroupStore(data_plane, name)
 
     def pid(self) -> int:
         return os.getpid()

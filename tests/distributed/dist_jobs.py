@@ -11,9 +11,10 @@ from dapo_megatron.config.schema import ParallelConfig
 
 def environment_probe() -> dict:
     """What a rank sees at the start of its job (test_run_workers)."""
+    import gc
     import os
     return dict(marker=os.environ.get("DAPO_TEST_MARKER"), rank=os.environ["RANK"], world=os.environ["WORLD_SIZE"],
-                pid=os.getpid())
+                pid=os.getpid(), gc=(gc.isenabled(), gc.get_freeze_count()))
 
 
 def fail_on_rank(bad_rank: int) -> None:
