@@ -202,10 +202,10 @@ def test_admission_by_running_responses_fills_the_engines_slots(in_process_ray, 
     cluster = dataclasses.replace(_tiny(sim, update_s=0.5), length_median=40.0, length_sigma=1.0,
                                   overrides=(*_tiny(sim).overrides, "data.max_response_length=400",
                                              "rollout.max_concurrent_per_engine=16"))
-    runs = {}
+    runs = {}  # at 4x the clock: at 10x a loaded fresh clone's unit phase measured 1.18x, not 1.2x
     for admission in ("groups", "responses"):
         seen.clear()
-        rows = sim.simulate(cluster, [*sim.MODES["async k=2"], f"rollout.admission={admission}"], 5, 10.0, 1)
+        rows = sim.simulate(cluster, [*sim.MODES["async k=2"], f"rollout.admission={admission}"], 5, 4.0, 1)
         runs[admission] = (sum(r["sim/concurrency"] for r in rows) / len(rows), max(seen))
     assert runs["responses"][1] <= 16 == runs["groups"][1], runs  # 4 groups of 4 at most
     assert runs["responses"][0] > 1.2 * runs["groups"][0], runs
