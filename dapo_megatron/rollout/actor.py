@@ -31,11 +31,11 @@ MAX_CONCURRENCY = 64
 class EngineActor(Engine):
     """`Engine` in its own process, its library output sent to `log_path` before vLLM starts."""
 
+    @heap.start_up()  # vLLM's imports and the model, this process's to keep
     def __init__(self, *args, log_path: Optional[str] = None, data_plane=None, name: str = "", **kwargs):
         redirect_output(log_path)
-        with heap.start_up():  # vLLM's imports and the model, this process's to keep
-            super().__init__(*args, **kwargs)
-            self._store = GroupStore(data_plane, name)
+        super().__init__(*args, **kwargs)
+        self._store = GroupStore(data_plane, name)
 
     def pid(self) -> int:
         return os.getpid()

@@ -54,20 +54,20 @@ class RolloutManager:
     of the rows it produces lives with it, and the driver never imports TransferQueue (its
     tensordict pulls in torch._dynamo: ~0.15 GB a process)."""
 
+    @heap.start_up()  # the tokenizer, the data plane's client, the reward pool
     def __init__(self, cfg: DapoConfig, engines: list, tokenizer_path: str, data_plane: dataplane.Handle,
                  train_data: PromptDataset, val_data: Optional[PromptDataset], stop_token_ids: tuple[int, ...],
                  log_path: Optional[str] = None, start_data_plane: bool = False):
         redirect_output(log_path)
         self.owns_plane = start_data_plane
-        with heap.start_up():  # the tokenizer, the data plane's client, the reward pool
-            # The tokenizer and the reward pool load while the data plane's processes start: the
-            # manager is the last role ready in a quickstart's start-up (the clients attach lazily).
-            plane_up = dataplane.start_in_background(cfg.data_plane, data_plane.host) if start_data_plane else None
-            self.reward = RewardWorker(cfg, tokenizer_path, data_plane)
-            scorer = RewardScorer(self.reward, cfg.algorithm.filter_groups.metric)
-            self._start(cfg, engines, dataplane.connect(data_plane), scorer, train_data, val_data, stop_token_ids)
-            if plane_up is not None:
-                plane_up.result()  # what the start raised, raised here
+        # The tokenizer and the reward pool load while the data plane's processes start: the
+        # manager is the last role ready in a quickstart's start-up (the clients attach lazily).
+        plane_up = dataplane.start_in_background(cfg.data_plane, data_plane.host) if start_data_plane else None
+        self.reward = RewardWorker(cfg, tokenizer_path, data_plane)
+        scorer = RewardScorer(self.reward, cfg.algorithm.filter_groups.metric)
+        self._start(cfg, engines, dataplane.connect(data_plane), scorer, train_data, val_data, stop_token_ids)
+        if plane_up is not None:
+            plane_up.result()  # what the start raised, raised here
 
     def _start(self, cfg: DapoConfig, engines: list, plane, scorer, train_data: PromptDataset,
                val_data: Optional[PromptDataset], stop_token_ids: tuple[int, ...]) -> None:

@@ -53,31 +53,30 @@ class TrainWorker:
         """Where rank 0 listens for the process group (asked of rank 0 only)."""
         return ray.util.get_node_ip_address(), free_port("")
 
+    @heap.start_up()  # Megatron's imports and the models, this process's to keep
     def setup(self, master: tuple[str, int], total_steps: int) -> dict:
         """Join the process group, initialise Megatron's parallel state, build the models."""
-        with heap.start_up():  # Megatron's imports and the models, this process's to keep
-            os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
-                              WORLD_SIZE=str(self.world_size),
-                              LOCAL_RANK=str(self.rank % self.cfg.trainer.n_gpus_per_node))
-            device = get_device(self.cfg.trainer.device)
-            device.setup_process(self.cfg.trainer.n_gpus_per_node)
-            if self.cfg.trainer.deterministic:
-                device.make_deterministic()
-            info = init_parallel(self.cfg.actor.parallel, device, seed=self.cfg.trainer.seed,
-                                 timeout_s=self.cfg.trainer.dist_timeout_s)
-            c = self.cfg
-            self.transport = TRANSPORTS[c.rollout.sync.transport](device)
-            start = c.model.load_checkpoint  # the weights to start from instead of model.path's
-            self.actor = Actor(c.actor, self.model_path, spec=self.spec, n=c.rollout.n, total_steps=total_steps,
-                               dtype=c.model.dtype, temperature=c.rollout.temperature, load_weights=not start,
-                               deterministic=c.trainer.deterministic)
-            if c.actor.use_kl_loss:
-                self.ref = Reference(c.ref, self.model_path, spec=self.spec, dtype=c.model.dtype,
-                                     temperature=c.rollout.temperature,
-                                     max_tokens_per_microbatch=c.actor.max_tokens_per_microbatch)
-            if start:  # (a resume, if any, loads the run's own checkpoint over it: driver/moments.Moments.resume)
-                load_start(start, self.actor, self.ref)
-            return vars(info)
+        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                          WORLD_SIZE=str(self.world_size), LOCAL_RANK=str(self.rank % self.cfg.trainer.n_gpus_per_node))
+        device = get_device(self.cfg.trainer.device)
+        device.setup_process(self.cfg.trainer.n_gpus_per_node)
+        if self.cfg.trainer.deterministic:
+            device.make_deterministic()
+        info = init_parallel(self.cfg.actor.parallel, device, seed=self.cfg.trainer.seed,
+                             timeout_s=self.cfg.trainer.dist_timeout_s)
+        c = self.cfg
+        self.transport = TRANSPORTS[c.rollout.sync.transport](device)
+        start = c.model.load_checkpoint  # the weights to start from instead of model.path's
+        self.actor = Actor(c.actor, self.model_path, spec=self.spec, n=c.rollout.n, total_steps=total_steps,
+                           dtype=c.model.dtype, temperature=c.rollout.temperature, load_weights=not start,
+                           deterministic=c.trainer.deterministic)
+        if c.actor.use_kl_loss:
+            self.ref = Reference(c.ref, self.model_path, spec=self.spec, dtype=c.model.dtype,
+                                 temperature=c.rollout.temperature,
+                                 max_tokens_per_microbatch=c.actor.max_tokens_per_microbatch)
+        if start:  # (a resume, if any, loads the run's own checkpoint over it: driver/moments.Moments.resume)
+            load_start(start, self.actor, self.ref)
+        return vars(info)
 
     def _phase_end(self, phase: str) -> None:
         """A phase's end: its peak device memory recorded (where the device reports one), and the

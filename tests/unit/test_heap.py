@@ -47,3 +47,16 @@ def test_an_error_in_the_start_leaves_the_collector_as_it_was(collector_on):
         with heap.start_up():
             raise ValueError("the start failed")
     assert gc.isenabled()
+
+
+def test_as_a_decorator_each_call_is_a_start(collector_on):
+    """The roles mark their start methods with it (a rank's setup, an actor's __init__)."""
+    seen = []
+
+    @heap.start_up()
+    def setup():
+        seen.append(gc.isenabled())
+        return _cycle()
+
+    kept = setup()
+    assert seen == [False] and gc.isenabled() and not any(o is kept for o in gc.get_objects())
