@@ -37,8 +37,8 @@ if [ "$fast" = 0 ]; then
     "$DAPO_TEST_BUNDLES" & builder=$!
   # SCHED_IDLE (nice 19 where chrt cannot set it): it runs only on a core the phases leave idle
   idle=(nice -n 19); if chrt --idle 0 true 2>/dev/null; then idle=(chrt --idle 0); fi
-  # pyproject's 900 s a test guards against a hang; at idle priority a test takes what the phases
-  # leave: the VL warm-up (528 s of one core alone on a slow machine) took 882 s beside its phases
+  # pyproject's 900 s a test guards against a hang; at idle priority a test takes only what the
+  # phases leave, so on a slow machine its one-core builds (the VL warm-up) ran past 900 s
   OMP_NUM_THREADS=1 "${idle[@]}" "${pytest[@]}" -p no:cacheprovider --basetemp "$DAPO_TEST_BUNDLES/background" \
     --timeout 2700 -m background tests/unit "${rest[@]}" \
     >"$background_log" 2>&1 & background=$!
