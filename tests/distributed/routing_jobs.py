@@ -54,6 +54,10 @@ def replay_job(hf_dir: str, parallel: dict, batch, perturb: float) -> bytes:
     init_parallel(ParallelConfig(**parallel))
     cfg = actor_jobs.actor_config(parallel, router_replay="actor", max_tokens_per_microbatch=96)
     actor = Actor(cfg, hf_dir, n=2)
+    if torch.distributed.get_world_size() == 1:
+        # a lone rank gets both cores (device._share_cores), and its two passes then differed in the
+        # last bits in 3 of ~62 fresh-clone CI runs: one thread adds in one order, as the others do
+        torch.set_num_threads(1)
     out = {}
     # 1. record (no routes in the batch: the routers choose), 2. replay what was recorded
     out["lp0"], routes0, out["m0"] = _pass(actor, batch)
